@@ -1,0 +1,5 @@
+import sys
+
+from dhelix.cli import main
+
+sys.exit(main())

@@ -1,0 +1,257 @@
+"""Megatron-style command-line arguments for `scripts/pretrain_gpt.py`.
+
+Argument names and meanings follow Megatron-LM's `megatron/training/arguments.py` for what
+dhelix supports. `--preset NAME|PATH` (a dhelix addition) loads defaults from `configs/`;
+arguments given on the command line override the preset.
+
+`validate_args` checks every size relation before any process group exists and raises
+`ArgumentError` with a one-line message naming the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ArgumentError(ValueError):
+    """Bad command-line input; the message is one line that names the argument and the fix."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="default: 4 x hidden (8/3 x with --swiglu)")
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-query-groups", type=int, help="grouped-query attention groups")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--kv-channels", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--vocab-size", type=int, help="mock-data vocabulary size")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                   default="learned_absolute")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl with CUDA, gloo without")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int)
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 training (GPU only)")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic GPT data (the default when --data-path is not given)")
+    g.add_argument("--data-path", type=str, default=None,
+                   help="a UTF-8 text file, tokenised bytewise (vocab 256 + eod)")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None, help="directory to save checkpoints to")
+    g.add_argument("--load", type=str, default=None, help="directory to load a checkpoint from")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="iterations between saves (default: only at the end)")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+
+
+def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dhelix")
+    g.add_argument("--preset", type=str, default=None,
+                   help="model preset: a name in configs/ (e.g. tiny) or a JSON file path")
+    g.add_argument("--log-json", type=str, default=None,
+                   help="also write one JSON record per logged iteration to this file (rank 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Megatron-core GPT pretraining (run under torchrun).",
+        allow_abbrev=False,
+    )
+    _add_model_args(p)
+    _add_parallel_args(p)
+    _add_training_args(p)
+    _add_checkpoint_args(p)
+    _add_dhelix_args(p)
+    return p
+
+
+def load_preset(name_or_path: str) -> dict:
+    """Preset values keyed by argparse dest (dashes or underscores accepted in the file)."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CONFIGS_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(q.stem for q in CONFIGS_DIR.glob("*.json"))
+        raise ArgumentError(f"--preset: no preset '{name_or_path}' (known: {', '.join(known)})")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArgumentError(f"--preset: {path} is not valid JSON ({exc})") from exc
+    return {k.replace("-", "_"): v for k, v in raw.items() if not k.startswith("_")}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse, apply the preset and derived defaults, validate. Raises ArgumentError."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ArgumentError(
+            f"unrecognized arguments: {' '.join(unknown)} (see pretrain_gpt.py --help)"
+        )
+    if ns.preset:
+        preset = load_preset(ns.preset)
+        defaults = parser.parse_args([])
+        known = set(vars(defaults))
+        for key, value in preset.items():
+            if key not in known:
+                raise ArgumentError(f"--preset: unknown key '{key}' in preset {ns.preset}")
+            if getattr(ns, key) == getattr(defaults, key):
+                setattr(ns, key, value)
+    fill_derived_args(ns)
+    validate_args(ns, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return ns
+
+
+def fill_derived_args(ns: argparse.Namespace) -> None:
+    """Megatron's derived defaults (ffn size, kv channels, padded vocab, query groups)."""
+    required = ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"]
+    for name in required:
+        if getattr(ns, name) is None:
+            raise ArgumentError(
+                f"--{name.replace('_', '-')} is required (or give --preset tiny)"
+            )
+    if ns.max_position_embeddings is None:
+        ns.max_position_embeddings = ns.seq_length
+    if ns.ffn_hidden_size is None:
+        ffn = 4 * ns.hidden_size
+        if ns.swiglu:
+            ffn = int((ffn * 2 / 3) / 64) * 64 or 64
+        ns.ffn_hidden_size = ffn
+    if ns.num_query_groups is None:
+        ns.num_query_groups = ns.num_attention_heads
+    if ns.kv_channels is None and ns.hidden_size % ns.num_attention_heads == 0:
+        ns.kv_channels = ns.hidden_size // ns.num_attention_heads
+    if ns.vocab_size is None:
+        ns.vocab_size = 257 if ns.data_path else 1024
+    multiple = ns.make_vocab_size_divisible_by * ns.tensor_model_parallel_size
+    ns.padded_vocab_size = -(-ns.vocab_size // multiple) * multiple
+    if ns.global_batch_size is None:
+        ns.global_batch_size = ns.micro_batch_size
+    if not ns.data_path:
+        ns.mock_data = True
+
+
+def validate_args(ns: argparse.Namespace, world_size: int) -> None:
+    """Every size relation Megatron needs, checked before any process group is created."""
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                            "must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
+        )
+    dp = world_size // (tp * pp)
+    if ns.num_layers % pp != 0:
+        raise ArgumentError(
+            f"--num-layers {ns.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp}; choose a layer count that is a multiple of {pp}"
+        )
+    if ns.num_attention_heads % tp != 0:
+        raise ArgumentError(
+            f"--num-attention-heads {ns.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if ns.num_query_groups % tp != 0 or ns.num_attention_heads % ns.num_query_groups != 0:
+        raise ArgumentError(
+            f"--num-query-groups {ns.num_query_groups} must divide --num-attention-heads "
+            f"{ns.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}"
+        )
+    if ns.kv_channels is None:
+        raise ArgumentError(
+            f"--hidden-size {ns.hidden_size} is not divisible by --num-attention-heads "
+            f"{ns.num_attention_heads}; give --kv-channels"
+        )
+    if ns.ffn_hidden_size % tp != 0:
+        raise ArgumentError(
+            f"--ffn-hidden-size {ns.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if ns.sequence_parallel and tp == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if ns.sequence_parallel and ns.seq_length % tp != 0:
+        raise ArgumentError(
+            f"--seq-length {ns.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{tp}, which --sequence-parallel needs"
+        )
+    if ns.seq_length > ns.max_position_embeddings and ns.position_embedding_type != "rope":
+        raise ArgumentError(
+            f"--seq-length {ns.seq_length} exceeds --max-position-embeddings "
+            f"{ns.max_position_embeddings}"
+        )
+    per_step = ns.micro_batch_size * dp
+    if ns.global_batch_size % per_step != 0:
+        raise ArgumentError(
+            f"--global-batch-size {ns.global_batch_size} is not divisible by "
+            f"--micro-batch-size {ns.micro_batch_size} x data-parallel size {dp}"
+        )
+    if ns.train_iters < 1:
+        raise ArgumentError("--train-iters must be >= 1")
+    if ns.bf16 and not _cuda_available():
+        raise ArgumentError("--bf16 needs a GPU on this build; drop --bf16 on CPU")
+    if ns.distributed_backend == "nccl" and not _cuda_available():
+        raise ArgumentError("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    if ns.load is not None and not Path(ns.load).is_dir():
+        raise ArgumentError(
+            f"--load {ns.load}: no such checkpoint directory; check the path or drop --load"
+        )
+    if ns.data_path is not None and not Path(ns.data_path).is_file():
+        raise ArgumentError(f"--data-path {ns.data_path}: no such file")
+    if ns.save_interval is not None and ns.save_interval < 1:
+        raise ArgumentError("--save-interval must be >= 1")
+    ns.data_parallel_size = dp
+    ns.num_microbatches = ns.global_batch_size // per_step
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

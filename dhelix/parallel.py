@@ -1,0 +1,75 @@
+"""Process-group and Megatron parallel-state set-up for one training process."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_patches.cpu_shims import apply_cpu_shims
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Megatron parallel sizes; data-parallel size is derived from the world size."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % model:
+            raise ValueError(
+                f"world size {world_size} is not divisible by TP*PP = {model}"
+            )
+        return world_size // model
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300) -> None:
+    """Join the torchrun-style group (RANK, WORLD_SIZE, MASTER_ADDR/PORT) if not joined yet.
+
+    Installs the CPU shims first on a CPU-only torch, and picks this rank's GPU on CUDA.
+    """
+    apply_cpu_shims()
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def init_megatron_parallel_state(sizes: ParallelSizes, seed: int) -> None:
+    """(Re)initialise Megatron's model-parallel groups and seed every RNG like Megatron does.
+
+    Seeds: python/numpy/torch get `seed + 100 * pp_rank` (Megatron's `_set_random_seed`);
+    the model-parallel RNG tracker is seeded by `model_parallel_cuda_manual_seed(seed')`.
+    """
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    sizes.data_parallel_size(dist.get_world_size())  # raises on inconsistent sizes
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tensor_model_parallel_size,
+        pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,
+    )
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_parallel_state() -> None:
+    """Tear down Megatron's groups (the default process group stays)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

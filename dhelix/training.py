@@ -1,0 +1,197 @@
+"""A Megatron-core training loop: GPTModel in Megatron DDP, Megatron's optimizer and
+Megatron's own forward/backward schedule (megatron-core 0.16 ships no `megatron.training`).
+
+`Trainer` owns the model chunks, the optimizer and the data iterator of one rank. The
+forward/backward function is a field, so a caller (later: `--dhelix`) can swap Megatron's
+schedule for another with the same signature without touching anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from dhelix.data import build_train_dataset, microbatch_iterator
+from dhelix.memory import peak_memory_bytes
+from megatron_patches.model_provider import build_model_chunks
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of one micro-batch (Megatron's 2-tuple convention: the schedule
+    divides by the number of micro-batches)."""
+    losses = output_tensor.float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward_step: one micro-batch through this stage's model chunk."""
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+@dataclass
+class StepResult:
+    iteration: int
+    loss: float
+    grad_norm: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: int
+
+
+@dataclass
+class Trainer:
+    """One rank's model, optimizer and data; `train_step` runs one global batch.
+
+    Build with `Trainer.build(args)` after the process group and Megatron's parallel state
+    exist (`dhelix.parallel`).
+    """
+
+    args: object
+    config: object
+    model: list
+    optimizer: object
+    dataset: object
+    consumed_samples: int = 0
+    iteration: int = 0
+    forward_backward_func: Callable = field(default=None)
+    _data_iterator: object = None
+
+    @classmethod
+    def build(cls, args) -> "Trainer":
+        config, chunks = build_model_chunks(args)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=args.bf16,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        model = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+            for chunk in chunks
+        ]
+        for chunk in model:
+            chunk.broadcast_params()
+        opt_config = OptimizerConfig(
+            optimizer=args.optimizer,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        optimizer = get_megatron_optimizer(opt_config, model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+        config.no_sync_func = [chunk.no_sync for chunk in model]
+        if len(model) == 1:
+            config.no_sync_func = config.no_sync_func[0]
+        trainer = cls(args=args, config=config, model=model, optimizer=optimizer,
+                      dataset=build_train_dataset(args))
+        trainer.forward_backward_func = get_forward_backward_func()
+        return trainer
+
+    def data_iterator(self):
+        """This rank's micro-batch iterator, positioned at `consumed_samples`."""
+        if self._data_iterator is None:
+            self._data_iterator = microbatch_iterator(
+                self.dataset,
+                self.args.micro_batch_size,
+                parallel_state.get_data_parallel_rank(),
+                parallel_state.get_data_parallel_world_size(),
+                self.consumed_samples,
+            )
+        return self._data_iterator
+
+    def forward_backward(self) -> list:
+        """Zero grads and run the schedule for one global batch; grads are finalised
+        (DP/TP/embedding reductions) by the schedule's `finalize_model_grads` call."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self.forward_backward_func(
+            forward_step_func=forward_step,
+            data_iterator=self.data_iterator(),
+            model=self.model,
+            num_microbatches=self.args.num_microbatches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=False,
+        )
+
+    def train_step(self) -> StepResult:
+        """One iteration: forward/backward over the global batch, then the optimizer step."""
+        start = time.perf_counter()
+        losses = self.forward_backward()
+        _, grad_norm, _ = self.optimizer.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        tokens = self.args.global_batch_size * self.args.seq_length
+        return StepResult(
+            iteration=self.iteration,
+            loss=reduce_loss_to_all_ranks(losses),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            step_time_s=elapsed,
+            tokens_per_s=tokens / elapsed,
+            peak_memory_bytes=peak_memory_bytes(),
+        )
+
+
+def reduce_loss_to_all_ranks(losses_reduced: list) -> float:
+    """Mean 'lm loss' of the global batch, known on every rank.
+
+    Megatron's schedule returns the per-micro-batch dicts on the last pipeline stage only;
+    they are averaged over micro-batches, then over data-parallel ranks, and one rank
+    (last stage, TP rank 0, DP rank 0) contributes the result to a world all-reduce.
+    """
+    value = torch.zeros(1, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage():
+        mean = torch.stack([d["lm loss"].double().reshape(()) for d in losses_reduced]).mean()
+        mean = mean.reshape(1)
+        dist.all_reduce(mean, group=parallel_state.get_data_parallel_group())
+        mean /= parallel_state.get_data_parallel_world_size()
+        if (parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0):
+            value = mean
+    if torch.cuda.is_available():
+        value = value.cuda()
+    dist.all_reduce(value)
+    return float(value.item())
+
+
+def format_step(result: StepResult, train_iters: int) -> str:
+    """Megatron-like one-line log of an iteration."""
+    return (
+        f" iteration {result.iteration:8d}/{train_iters:8d} | "
+        f"lm loss: {result.loss:.6E} | grad norm: {result.grad_norm:.3f} | "
+        f"step time (ms): {result.step_time_s * 1e3:.1f} | "
+        f"tokens/s: {result.tokens_per_s:.1f} | "
+        f"peak mem (MiB): {result.peak_memory_bytes / 2**20:.1f}"
+    )
+
+
+def step_record(result: StepResult) -> str:
+    return json.dumps(result.__dict__)

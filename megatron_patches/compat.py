@@ -1,0 +1,43 @@
+"""Version compatibility for megatron-core: the one place that knows version differences.
+
+Supported range: megatron-core 0.16.x upward. Code elsewhere asks this module instead of
+comparing version strings itself.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from packaging.version import Version
+
+MIN_MEGATRON_CORE = Version("0.16.0")
+
+
+def megatron_core_version() -> Version:
+    """Installed megatron-core version (raises a clear error when it is missing)."""
+    try:
+        return Version(metadata.version("megatron-core"))
+    except metadata.PackageNotFoundError as exc:  # pragma: no cover - install problem
+        raise RuntimeError(
+            "megatron-core is not installed; run `bash scripts/install.sh`"
+        ) from exc
+
+
+def check_supported_megatron() -> Version:
+    """Return the version, or raise if it is older than the supported range."""
+    version = megatron_core_version()
+    if version < MIN_MEGATRON_CORE:
+        raise RuntimeError(
+            f"megatron-core {version} is too old for dhelix (need >= {MIN_MEGATRON_CORE}); "
+            "run `bash scripts/install.sh`"
+        )
+    return version
+
+
+def has_transformer_engine() -> bool:
+    """True when Transformer Engine's PyTorch extension imports."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install raising at import
+        return False
+    return True

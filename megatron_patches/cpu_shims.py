@@ -1,0 +1,213 @@
+"""CPU/gloo shims that let megatron-core (0.16.1 tested) build, train and optimise on a
+CPU-only torch.
+
+Applied only when CUDA is unavailable (`apply_cpu_shims` is a no-op otherwise) and at most
+once per process. Each shim names the Megatron call it replaces and why:
+
+1. CUDA device arguments (`wrap_device_entry_points`): ~150 sites create tensors with
+   `device=torch.cuda.current_device()` or `device='cuda'` (DDP grad buffers, FP32Optimizer,
+   the schedules' token counters, clip-grad norm, the sequence-parallel all-gather in
+   `LinearWithGradAccumulationAndAsyncCommunication.backward`). The torch factory functions
+   Megatron calls with a device (`torch.empty`, `zeros`, `ones`, `full`, `tensor`, `arange`,
+   `rand*`, `*_like`, ...) and `Tensor.to` are wrapped to map any CUDA device (a bare int
+   ordinal, 'cuda', 'cuda:N', torch.device('cuda')) to CPU. Wrapping the module attributes,
+   rather than a TorchFunctionMode, also covers autograd backward functions (a mode is
+   popped while its own handler runs `torch.autograd.backward`) and every thread.
+   - `Tensor.cuda()` (`language_module.setup_embeddings_and_output_layer` calls
+     `weight.data.cuda()` for tied embeddings with PP>1) returns the tensor itself.
+   - `Tensor.type()` with no argument reports the CUDA type name ('torch.cuda.FloatTensor')
+     for CPU tensors, because `clip_grads.py` asserts that string and
+     `distrib_optimizer.py` / `optimizer.py` reject other type names. Only in processes that
+     run Megatron on CPU; nothing in dhelix relies on `Tensor.type()`.
+2. `torch.cuda` API stand-ins: `current_device` returns 0 (mapped to CPU by the mode),
+   `current_stream`/`default_stream`/`Stream`/`Event` return no-op objects, `synchronize` and
+   the memory counters are no-ops, so the schedules, DDP and the timers run unchanged.
+   (`p2p_communication.py` calls `torch.cuda.synchronize()` unless `batch_p2p_sync=False`.)
+3. RNG (`megatron_patches.rng`): `CudaRNGStatesTracker.add/fork` use
+   `torch.cuda.get_rng_state`; replaced by a tracker that keeps CPU generator states.
+
+The sequence-parallel LayerNorm trap is handled where the model is built
+(`megatron_patches.norms`), not here, because it is a model-spec choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+
+_APPLIED = False
+_LOCK = threading.Lock()
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means an accelerator ordinal in torch factory functions and Tensor.to.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _map_device(device):
+    return _CPU if _is_cuda_device(device) else device
+
+
+_FACTORY_FUNCTIONS = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "linspace", "eye",
+    "rand", "randn", "randint", "randperm", "empty_like", "zeros_like", "ones_like",
+    "full_like", "rand_like", "randn_like", "empty_strided",
+)
+
+
+def _with_cpu_device(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper.__dhelix_original__ = fn
+    return wrapper
+
+
+def _tensor_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and not isinstance(args[0], (torch.Tensor, torch.dtype)):
+            args = (_map_device(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _tensor_type(original):
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        return _CUDA_TYPE_NAMES.get(name, name)
+
+    return type_
+
+
+def _tensor_cuda(self, device=None, non_blocking=False, memory_format=None):
+    return self
+
+
+def wrap_device_entry_points() -> None:
+    """Install the CUDA-device-to-CPU wrappers on torch (see the module docstring)."""
+    for name in _FACTORY_FUNCTIONS:
+        setattr(torch, name, _with_cpu_device(getattr(torch, name)))
+    torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.type = _tensor_type(torch.Tensor.type)
+    torch.Tensor.cuda = _tensor_cuda
+
+
+class _NoOpStream:
+    """Stand-in for torch.cuda.Stream on CPU: work is synchronous, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event or _NoOpEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NoOpEvent:
+    """Stand-in for torch.cuda.Event on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        raise RuntimeError("CUDA event timing is not available on CPU; use time.perf_counter")
+
+
+_DEFAULT_STREAM = _NoOpStream()
+
+
+def _patch_cuda_api() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpEvent
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.reset_peak_memory_stats = lambda device=None: None
+
+
+def cpu_shims_active() -> bool:
+    """True once `apply_cpu_shims` has installed the shims in this process."""
+    return _APPLIED
+
+
+def apply_cpu_shims() -> bool:
+    """Install the CPU shims if CUDA is unavailable. Idempotent and thread-safe.
+
+    Returns True when the shims are (now) active, False on a CUDA machine where nothing is
+    changed. Must run before the first megatron-core model or optimizer is built.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if _APPLIED:
+            return True
+        from megatron_patches.compat import check_supported_megatron
+        from megatron_patches.rng import install_cpu_rng_tracker
+
+        check_supported_megatron()
+        _patch_cuda_api()
+        install_cpu_rng_tracker()
+        wrap_device_entry_points()
+        _APPLIED = True
+        return True
