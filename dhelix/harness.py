@@ -83,7 +83,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: floa
         proc = ctx.Process(
             target=_rank_main,
             args=(fn, rank, world_size, port, dict(env or {}), args, kwargs, results),
-            daemon=True,
+            daemon=False,  # Megatron's checkpoint writer starts child processes
         )
         proc.start()
         procs.append(proc)

@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from dhelix.data import build_train_dataset, microbatch_iterator
 from dhelix.memory import peak_memory_bytes
 from megatron_patches.model_provider import build_model_chunks
+from megatron_patches.optimizer_state import make_optimizer_state_loadable
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -101,6 +102,7 @@ class Trainer:
             use_distributed_optimizer=args.use_distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(opt_config, model)
+        make_optimizer_state_loadable(optimizer)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = [chunk.no_sync for chunk in model]
@@ -122,6 +124,10 @@ class Trainer:
                 self.consumed_samples,
             )
         return self._data_iterator
+
+    def reset_data_iterator(self) -> None:
+        """Forget the iterator so the next one starts at `consumed_samples` (after a load)."""
+        self._data_iterator = None
 
     def forward_backward(self) -> list:
         """Zero grads and run the schedule for one global batch; grads are finalised

@@ -41,3 +41,14 @@ def has_transformer_engine() -> bool:
     except Exception:  # ImportError, or a broken CUDA install raising at import
         return False
     return True
+
+
+def optimizer_state_loadable(optimizer) -> bool:
+    """Whether megatron-core can load this optimizer's state from a distributed checkpoint.
+
+    megatron-core 0.16.1 builds SGD without a state initialiser (`init_state_fn is None`),
+    so `sharded_state_dict(is_loading=True)` raises a bare TypeError; callers check this
+    first and ask the user for `--no-load-optim` instead.
+    """
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return all(getattr(opt, "init_state_fn", None) is not None for opt in inner)

@@ -1,0 +1,121 @@
+"""Rank bodies for the foundation tests (spawned by dhelix.harness; module-level so they
+can be pickled by name). Each body batches several checks into one launch, because every
+process pays ~4 s of imports on a 2-core machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dhelix.arguments import parse_args
+from dhelix.checkpointing import load_checkpoint, save_checkpoint
+from dhelix.parallel import (
+    ParallelSizes,
+    destroy_parallel_state,
+    init_megatron_parallel_state,
+    init_process_group_from_env,
+)
+from dhelix.parity import gather_full_tensors, max_abs_diff
+from dhelix.training import Trainer, reduce_loss_to_all_ranks
+
+
+def tiny_args(tp=1, pp=1, sp=False, distopt=False, extra=()):
+    argv = ["--preset", "tiny", "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp)]
+    if sp:
+        argv.append("--sequence-parallel")
+    if distopt:
+        argv.append("--use-distributed-optimizer")
+    return parse_args(argv + list(extra))
+
+
+def build_trainer(args) -> Trainer:
+    init_megatron_parallel_state(
+        ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
+        args.seed,
+    )
+    return Trainer.build(args)
+
+
+def observed_step(trainer: Trainer, with_grads: bool) -> dict:
+    """One iteration with full (layout-independent) grads before and params after the
+    optimizer step."""
+    losses = trainer.forward_backward()
+    grads = gather_full_tensors(trainer.model, "grad") if with_grads else None
+    trainer.optimizer.step()
+    trainer.iteration += 1
+    trainer.consumed_samples += trainer.args.global_batch_size
+    return {
+        "loss": reduce_loss_to_all_ranks(losses),
+        "grads": grads,
+        "params": gather_full_tensors(trainer.model, "param"),
+    }
+
+
+def compare_steps(ref: list[dict], got: list[dict]) -> list[dict]:
+    """Per step: |loss diff|, max abs grad diff (if both have grads), max abs param diff."""
+    report = []
+    for r, g in zip(ref, got):
+        row = {"loss_ref": r["loss"], "loss": g["loss"], "loss_diff": abs(r["loss"] - g["loss"])}
+        if r["grads"] is not None and g["grads"] is not None:
+            row["grad_diff"], row["grad_key"] = max_abs_diff(r["grads"], g["grads"])
+        row["param_diff"], row["param_key"] = max_abs_diff(r["params"], g["params"])
+        report.append(row)
+    return report
+
+
+def untag_sequence_parallel_norms(trainer: Trainer) -> int:
+    """Negative control for the SP LayerNorm trap: drop the `sequence_parallel` tag from
+    the norm parameters, as a naively built torch norm would. Returns how many."""
+    count = 0
+    for chunk in trainer.model:
+        for param in chunk.module.parameters():
+            if getattr(param, "sequence_parallel", False):
+                del param.sequence_parallel
+                count += 1
+    if count == 0:
+        raise AssertionError("no sequence_parallel-tagged parameters to untag")
+    return count
+
+
+def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) -> dict:
+    """For each group `{name: {"extra_args": [...], "distopt": bool, "layouts": {name: spec}}}`:
+    a reference TP1xPP1 (DP = world) run with the group's options, then each layout
+    from the same initial weights and data, and resume checks (`spec["resume"]`) from a
+    checkpoint the reference saved after 2 steps.
+
+    Returns (on every rank) {layout_name: [per-step comparison rows]}.
+    """
+    init_process_group_from_env()
+    report = {}
+    for group_name, group in groups.items():
+        workdir_group = Path(workdir) / group_name
+        extra = group.get("extra_args", ())
+        ref = build_trainer(tiny_args(distopt=group.get("distopt", False), extra=extra))
+        save_checkpoint(ref, workdir_group / "init")
+        ref_steps = []
+        for k in range(steps):
+            ref_steps.append(observed_step(ref, with_grads=not group.get("distopt", False)))
+            if k == 1:
+                save_checkpoint(ref, workdir_group / "resume")
+        for name, spec in group["layouts"].items():
+            args = tiny_args(tp=spec["tp"], pp=spec["pp"], sp=spec.get("sp", False),
+                             distopt=spec.get("distopt", False), extra=extra)
+            trainer = build_trainer(args)
+            if spec.get("untag_sp_norms"):
+                untag_sequence_parallel_norms(trainer)
+            if spec.get("resume"):
+                load_checkpoint(trainer, workdir_group / "resume")
+                expected = ref_steps[trainer.iteration:]
+            else:
+                load_checkpoint(trainer, workdir_group / "init", load_optimizer=False)
+                expected = ref_steps
+            # With the distributed optimizer each DP rank holds only its reduce-scattered
+            # grad shard, so such runs are compared through losses and updated params.
+            with_grads = not args.use_distributed_optimizer
+            got = [observed_step(trainer, with_grads) for _ in expected]
+            report[name] = compare_steps(expected, got)
+    destroy_parallel_state()
+    dist.barrier()
+    return report

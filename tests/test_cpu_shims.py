@@ -1,0 +1,66 @@
+"""The CPU shims in one process: device mapping, CUDA type names, the CPU RNG tracker, and
+the sequence-parallel norm factory (its multi-rank effect is covered in
+test_layout_parity.py)."""
+
+import pytest
+import torch
+
+from megatron_patches.cpu_shims import apply_cpu_shims
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only shims")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shims():
+    assert apply_cpu_shims() is True
+
+
+def test_cuda_devices_map_to_cpu():
+    for device in (0, "cuda", "cuda:0", torch.device("cuda"), torch.cuda.current_device()):
+        assert torch.empty(2, device=device).device.type == "cpu"
+        assert torch.zeros(2).to(device).device.type == "cpu"
+    assert torch.ones(1).cuda().device.type == "cpu"
+
+
+def test_cuda_type_names_for_megatron_asserts():
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1).type(torch.float64).dtype == torch.float64
+
+
+def test_cpu_rng_tracker_fork_is_isolated_and_reproducible():
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from megatron_patches.rng import CpuRNGStatesTracker
+
+    mcore_random.initialize_rng_tracker(force_reset=True)
+    tracker = mcore_random.get_cuda_rng_tracker()
+    assert isinstance(tracker, CpuRNGStatesTracker)
+    tracker.add("model-parallel-rng", 123)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # default stream untouched
+    with tracker.fork("model-parallel-rng"):
+        second = torch.rand(3)
+    assert not torch.equal(first, second)  # the forked stream advanced
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), first)  # and started at seed 123
+
+
+def test_sequence_parallel_norm_is_tagged():
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_patches.norms import SequenceParallelTorchNorm
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               tensor_model_parallel_size=2, sequence_parallel=True,
+                               use_cpu_initialization=True)
+    norm = SequenceParallelTorchNorm(config, 8)
+    assert isinstance(norm, torch.nn.LayerNorm)
+    assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    assert config.sequence_parallel  # the caller's config is not modified
+    plain = SequenceParallelTorchNorm(
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                          use_cpu_initialization=True), 8)
+    assert not any(getattr(p, "sequence_parallel", False) for p in plain.parameters())
