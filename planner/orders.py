@@ -25,13 +25,7 @@ def _slot_ranges(dag: OpDAG, base: list[str], wgrad_move: int):
     fixed = [i for i in base if not ops[i].movable]
     movable = [i for i in base if ops[i].movable]
     fixed_index = {op_id: k for k, op_id in enumerate(fixed)}
-    base_slot, ranges = {}, {}
-    seen_fixed = 0
-    for op_id in base:
-        if op_id in fixed_index:
-            seen_fixed += 1
-        else:
-            base_slot[op_id] = seen_fixed
+    base_slot, ranges = movable_slots(dag, base), {}
     for m in movable:
         lo = max(0, base_slot[m] - wgrad_move)
         hi = min(len(fixed), base_slot[m] + wgrad_move)
@@ -108,20 +102,19 @@ def candidate_orders(dag: OpDAG, max_orders: int = 64, wgrad_move: int = 3) -> l
     return result
 
 
+def movable_slots(dag: OpDAG, order) -> dict:
+    """Slot of every movable op in `order`: how many non-movable ops precede it."""
+    ops, fixed_seen, slots = dag.by_id(), 0, {}
+    for op_id in order:
+        if ops[op_id].movable:
+            slots[op_id] = fixed_seen
+        else:
+            fixed_seen += 1
+    return slots
+
+
 def movement(dag: OpDAG, order) -> int:
     """Total slot movement of the movable ops of `order` relative to the program order (the
     quantity candidates are sorted by)."""
-    ops = dag.by_id()
-    base = topological_sort(dag)
-
-    def slots(seq):
-        out, fixed_seen = {}, 0
-        for op_id in seq:
-            if ops[op_id].movable:
-                out[op_id] = fixed_seen
-            else:
-                fixed_seen += 1
-        return out
-
-    a, b = slots(base), slots(order)
-    return sum(abs(a[m] - b[m]) for m in a)
+    base, now = movable_slots(dag, topological_sort(dag)), movable_slots(dag, order)
+    return sum(abs(base[m] - now[m]) for m in base)

@@ -202,6 +202,13 @@ def plan_from_document(document: dict) -> Plan:
         if not isinstance(span, dict) or span.get("strand") not in ("fwd", "bwd") or \
                 span.get("op") not in ops[span.get("strand")]:
             raise ValueError(f"timeline entry {span!r} names no known op")
+        block = span.get("block")
+        if isinstance(block, bool) or not isinstance(block, int) or \
+                not 0 <= block < len(blocks):
+            raise ValueError(f"timeline entry for {span['op']!r} names no block ({block!r})")
+        start = _number(span.get("start_ms"), f"timeline {span['op']!r} start_ms")
+        if _number(span.get("end_ms"), f"timeline {span['op']!r} end_ms") < start:
+            raise ValueError(f"timeline entry for {span['op']!r} ends before it starts")
         seen.add((span["strand"], span["op"]))
     if len(seen) != len(timeline) or len(seen) != len(ops["fwd"]) + len(ops["bwd"]):
         raise ValueError("timeline must list every op exactly once")
@@ -234,6 +241,18 @@ def load_plan(path) -> Plan:
     except (ValueError, TypeError, KeyError) as exc:
         raise FormatError(f"{path}: invalid dhelix-plan ({exc}); regenerate it with "
                           f"`{regenerate_command(document)}`") from exc
+
+
+def load_checked_plan(path, expected: dict, fwd: OpDAG | None = None,
+                      bwd: OpDAG | None = None) -> Plan:
+    """What a run uses: `load_plan`, then `check_fingerprint` against the run's `expected`
+    fields, then (if the run's DAGs are given) `check_plan_dags`. Raises FormatError (or its
+    subclass PlanMismatch) naming the file, every difference and the regenerate command."""
+    plan = load_plan(path)
+    check_fingerprint(plan, expected, str(path))
+    if fwd is not None and bwd is not None:
+        check_plan_dags(plan, fwd, bwd, str(path))
+    return plan
 
 
 def regenerate_command(plan_or_document, expected: dict | None = None) -> str:

@@ -85,7 +85,9 @@ def render_png(plan: Plan, path, title: str | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(fig_w, 5.2), dpi=110)
     row_y = {row: len(ROWS) - 1 - k for k, row in enumerate(ROWS)}  # first row on top
     bar_h = 0.72
-    char_ms = total / (fig_w * 11)  # ~ms per character of 7pt text at this width
+    font_pt = 6.5
+    axes_in = fig_w * 0.86  # the rest is the lane labels and margins
+    char_ms = total / (axes_in * 72 / (0.62 * font_pt))  # ms per average character
     for span in plan.timeline:
         lane = _lane_of(plan, span)
         y = row_y[(lane, span["strand"])]
@@ -95,22 +97,26 @@ def render_png(plan: Plan, path, title: str | None = None) -> Path:
                 alpha=0.95 if kind == "comp" else 0.65, edgecolor="white", linewidth=0.6,
                 hatch="//" if kind == "comm" else None)
         if dur > char_ms * (len(span["op"]) + 1):
-            ax.text(start + dur / 2, y, span["op"], ha="center", va="center", fontsize=7,
+            ax.text(start + dur / 2, y, span["op"], ha="center", va="center", fontsize=font_pt,
                     color="white" if kind == "comp" else "black")
     top = len(ROWS) - 0.5 + 0.05
+    label_end = {0: -1.0, 1: -1.0}  # right edge of the last label on each of two heights
     for number, block in enumerate(plan.blocks, start=1):
         ax.add_patch(Rectangle((block.start_ms, -0.5 - 0.05), block.predicted_ms,
                                len(ROWS) + 0.1, fill=False, edgecolor="#d62728",
                                linewidth=1.3, linestyle="--"))
         label = f"B{number}\n{block.predicted_ms:.3f} ms" + ("*" if block.estimated else "")
-        ax.text(block.start_ms + block.predicted_ms / 2, top + 0.1, label, ha="center",
-                va="bottom", fontsize=7, color="#d62728")
+        middle, half = block.start_ms + block.predicted_ms / 2, 5.5 * char_ms
+        height = 0 if middle - half > label_end[0] else 1  # stagger labels of narrow blocks
+        label_end[height] = middle + half
+        ax.text(middle, top + 0.1 + 0.75 * height, label, ha="center", va="bottom",
+                fontsize=7, color="#d62728")
     ax.set_yticks([row_y[row] for row in ROWS])
     lane_names = dict(LANES)
     ax.set_yticklabels([f"{lane_names[c]} · {s}" for c, s in ROWS], fontsize=8)
     for boundary in (1.5, 3.5):
         ax.axhline(boundary, color="#999999", linewidth=0.6)
-    ax.set_ylim(-0.7, len(ROWS) + 0.9)
+    ax.set_ylim(-0.7, len(ROWS) + 1.6)
     ax.set_xlim(0, total * 1.01)
     ax.set_xlabel("time (ms)")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dhelix.file_formats import FormatError, read_versioned, write_versioned
+from dhelix.file_formats import REGENERATE, FormatError, read_versioned, write_versioned
 
 PROFILE_FORMAT_VERSION = 1
 PAIR_SEPARATOR = "|"
@@ -162,5 +162,5 @@ def load_profile(path) -> Profile:
     except ValueError as exc:
         raise FormatError(
             f"{path}: invalid dhelix-profile ({exc}); regenerate it with "
-            f"`dhelix profile ... (under torchrun)`"
+            f"`{REGENERATE['profile']}`"
         ) from exc

@@ -6,19 +6,8 @@ import pytest
 from planner_reference import all_topological_orders, random_dag
 
 from dhelix.dag import OpDAG, OpNode, topological_sort, topological_violation
-from planner.orders import candidate_orders, movement
+from planner.orders import candidate_orders, movable_slots, movement
 from planner.synthetic import layer_dags
-
-
-def _slots(dag, order):
-    """movable op -> number of fixed ops before it in `order`."""
-    ops, seen, out = dag.by_id(), 0, {}
-    for op_id in order:
-        if ops[op_id].movable:
-            out[op_id] = seen
-        else:
-            seen += 1
-    return out
 
 
 def _in_documented_set(dag, order, k):
@@ -27,7 +16,7 @@ def _in_documented_set(dag, order, k):
     fixed = [o for o in base if not ops[o].movable]
     if [o for o in order if not ops[o].movable] != fixed:
         return False
-    base_slots, slots = _slots(dag, base), _slots(dag, order)
+    base_slots, slots = movable_slots(dag, base), movable_slots(dag, order)
     if any(abs(slots[m] - base_slots[m]) > k for m in slots):
         return False
     rank = {o: i for i, o in enumerate(base)}
@@ -59,7 +48,7 @@ def test_candidates_are_bounded_sorted_by_movement_and_topological():
         assert moves == sorted(moves)
         assert all(topological_violation(bwd, o) is None for o in orders)
         for order in orders:
-            base, now = _slots(bwd, orders[0]), _slots(bwd, order)
+            base, now = movable_slots(bwd, orders[0]), movable_slots(bwd, order)
             assert all(abs(now[m] - base[m]) <= k for m in now)
     assert len(candidate_orders(bwd, 50, 0)) == 1
     assert len(candidate_orders(bwd, 50, 3)) == 50

@@ -10,7 +10,7 @@ from planner.blocks import pairing_violation
 from planner.build import make_plan
 from planner.costs import build_cost_model
 from planner.plan import (PlanMismatch, check_fingerprint, check_plan_dags, dag_sha,
-                          fingerprint_string, load_plan, save_plan)
+                          fingerprint_string, load_checked_plan, load_plan, save_plan)
 from planner.synthetic import LayerShape, layer_dags, layer_profile
 
 COMMAND = ("dhelix plan --fwd-dag f.json --bwd-dag b.json --profile p.json --pairer dp "
@@ -66,6 +66,8 @@ def _tampered(tmp_path, plan, edit):
     (lambda d: d["blocks"].append({"fwd": [], "bwd": []}), "empty"),
     (lambda d: d.pop("timeline"), "timeline"),
     (lambda d: d["timeline"].pop(), "every op exactly once"),
+    (lambda d: d["timeline"][0].update(block=99), "names no block"),
+    (lambda d: d["timeline"][0].update(end_ms=-1.0), "end_ms"),
 ])
 def test_inconsistent_plans_are_rejected(tmp_path, plan, edit, message):
     with pytest.raises(FormatError, match=message) as err:
@@ -107,6 +109,18 @@ def test_fingerprint_mismatch_names_fields_and_regenerate_command(plan, layer):
         check_fingerprint(plan, {"profile_sha": "0" * 64})
     with pytest.raises(ValueError, match="unknown fingerprint field"):
         check_fingerprint(plan, {"gpu": "x"})
+
+
+def test_load_checked_plan_is_what_a_run_uses(tmp_path, plan, layer):
+    fwd, bwd, profile, _ = layer
+    path = save_plan(plan, tmp_path / "plan.json")
+    expected = {"model": "gpt-small", "parallel": "tp=8", "profile_sha": profile.sha}
+    assert load_checked_plan(path, expected, fwd, bwd) == plan
+    with pytest.raises(PlanMismatch, match="plan.json: .*parallel: plan has 'tp=8', this run "
+                                           "has 'tp=2'"):
+        load_checked_plan(path, {**expected, "parallel": "tp=2"})
+    with pytest.raises(PlanMismatch, match="bwd DAG"):
+        load_checked_plan(path, expected, *layer_dags(dp_grad_comm=False))
 
 
 def test_plan_checked_against_other_dags(plan, layer):
