@@ -108,3 +108,20 @@ def test_renderers_show_every_op_and_block(tmp_path):
         assert block.start_ms - 1e-9 <= span["start_ms"] <= span["end_ms"] \
             <= block.start_ms + block.predicted_ms + 1e-9
     assert render_png(plan, tmp_path / "p.png").stat().st_size > 20_000
+
+
+def test_benchmark_script_runs(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"
+    spec = importlib.util.spec_from_file_location("bench_planner", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--max-orders", "4", "--wgrad-move", "1", "--repeat", "1",
+                       "--write", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "search time: median" in out and "14 fwd x 18 bwd ops" in out
+    written = tmp_path / "tp8_sp_intra_node"
+    assert load_plan(written / "plan.json").pairer == "dp"
+    assert (written / "plan.png").stat().st_size > 20_000
