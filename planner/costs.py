@@ -17,8 +17,8 @@ Where each number comes from (its *source*):
   comp / comm:intra / comm:inter ("kind"), else `DEFAULT_OEF` ("default"). Every source other
   than "measured" is an estimate, and plans mark blocks that relied on one.
 
-Analytic default (no profile at all): the numbers below are relative costs of a TP+SP GPT
-layer (hidden 4096, sequence 4096, TP 8, bf16) on an NVLink node, rounded, with a GEMM as 1.0:
+Analytic default (no profile at all): rough relative costs, chosen to resemble a TP+SP GPT
+layer (hidden 4096, sequence 4096, TP 8, bf16) on an NVLink node, with a GEMM as 1.0:
 attention core 1.5, LayerNorm 0.15, element-wise 0.1, all-gather / reduce-scatter 0.6,
 all-reduce 1.0, send/recv 0.3, all-to-all 0.8; a communication op on the cross-node channel
 costs `INTER_NODE_FACTOR` (2.5) times its intra-node figure; an unknown class costs 0.5.
@@ -92,11 +92,12 @@ def sigma_from_oef(value: float) -> float:
 class CostModel:
     """Costs for one forward DAG and one backward DAG.
 
+    source: "profile" (solo times measured) or "analytic" (everything is the default);
     solo_f / solo_b: op id -> solo ms; sigma: (fwd id, bwd id) -> co-run slowdown (>= 1);
-    pair_source: (fwd id, bwd id) -> one of PAIR_SOURCES; solo_measured: True when solo times
-    come from a profile. `profile_sha` and `hardware` feed the plan fingerprint."""
+    pair_source: (fwd id, bwd id) -> one of PAIR_SOURCES. `profile_sha` and `hardware` feed
+    the plan fingerprint."""
 
-    source: str  # "profile" or "analytic"
+    source: str
     solo_f: dict
     solo_b: dict
     sigma: dict
@@ -105,6 +106,7 @@ class CostModel:
     hardware: str
 
     def estimated_pair(self, fwd_id: str, bwd_id: str) -> bool:
+        """True unless this pair's co-execution time was measured."""
         return self.source != "profile" or self.pair_source[(fwd_id, bwd_id)] != "measured"
 
     def sequential_ms(self) -> float:
