@@ -14,6 +14,7 @@ import sys
 
 SUBCOMMAND_MODULES = [
     "dhelix.env_report",
+    "planner.cli",
 ]
 
 

@@ -1,0 +1,177 @@
+"""`dhelix plan`: build a strand-interleaving plan from operator DAG files and a profile, and
+inspect or check plan files.
+
+    dhelix plan --fwd-dag F --bwd-dag B [--profile P] [--pairer dp|sequential|round_robin]
+                [--max-orders N] [--wgrad-move K] [--model M] [--parallel L] [--hardware H]
+                -o PLAN
+    dhelix plan show PLAN [--png OUT.png] [--trace OUT.json]
+    dhelix plan check PLAN [--fwd-dag F --bwd-dag B] [--profile P] [--model M]
+                [--parallel L] [--hardware H]
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from dhelix.file_formats import FormatError
+
+_FINGERPRINT_HELP = {
+    "model": "model fingerprint recorded in the plan (e.g. the output of "
+             "planner.plan.fingerprint_string on the model config)",
+    "parallel": "parallel-layout fingerprint recorded in the plan (e.g. 'pp=2,sp=True,tp=2')",
+    "hardware": "hardware fingerprint (default: the profile's, or 'unspecified')",
+}
+
+
+def _fail(message: str) -> int:
+    print(f"dhelix plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _command_line(args) -> str:
+    words = ["dhelix", "plan", "--fwd-dag", args.fwd_dag, "--bwd-dag", args.bwd_dag]
+    if args.profile:
+        words += ["--profile", args.profile]
+    words += ["--pairer", args.pairer, "--max-orders", str(args.max_orders),
+              "--wgrad-move", str(args.wgrad_move)]
+    for name in ("model", "parallel", "hardware"):
+        if getattr(args, name):
+            words += [f"--{name}", getattr(args, name)]
+    return shlex.join(words + ["-o", args.output])
+
+
+def _load_inputs(args):
+    from dhelix.dag import load_dag
+    from planner.costs import build_cost_model
+    from profiler.profile_file import load_profile
+
+    fwd, bwd = load_dag(args.fwd_dag), load_dag(args.bwd_dag)
+    for dag, path, want in ((fwd, args.fwd_dag, "fwd"), (bwd, args.bwd_dag, "bwd")):
+        if dag.direction != want:
+            raise FormatError(f"{path}: is a {dag.direction} DAG, expected a {want} DAG")
+    profile = load_profile(args.profile) if args.profile else None
+    return fwd, bwd, build_cost_model(fwd, bwd, profile, args.profile or "profile")
+
+
+def run_build(args) -> int:
+    from planner.build import make_plan
+    from planner.plan import UNSPECIFIED, save_plan
+
+    missing = [flag for flag, value in (("--fwd-dag", args.fwd_dag), ("--bwd-dag", args.bwd_dag),
+                                        ("-o", args.output)) if not value]
+    if missing:
+        return _fail(f"building a plan needs {', '.join(missing)} "
+                     f"(or use `dhelix plan show PLAN`)")
+    try:
+        fwd, bwd, costs = _load_inputs(args)
+        plan = make_plan(fwd, bwd, costs, args.pairer, args.max_orders, args.wgrad_move,
+                         model=args.model or UNSPECIFIED, parallel=args.parallel or UNSPECIFIED,
+                         hardware=args.hardware, command=_command_line(args))
+        save_plan(plan, args.output)
+    except (FormatError, ValueError) as exc:
+        return _fail(str(exc))
+    print(f"wrote {args.output}: {len(plan.blocks)} blocks, sequential "
+          f"{plan.sequential_ms:.3f} ms -> planned {plan.planned_ms:.3f} ms "
+          f"(speedup {plan.speedup:.3f}x), searched {plan.search['fwd_orders']} x "
+          f"{plan.search['bwd_orders']} orders in {plan.search['seconds']} s")
+    if costs.source != "profile":
+        print("note: no --profile given, so every time is the analytic default (estimated)")
+    elif plan.estimated:
+        print("note: some blocks use pair times estimated from measured OEFs (marked *)")
+    for name in ("model", "parallel"):
+        if not getattr(args, name):
+            print(f"note: no --{name} given; the plan's {name} fingerprint is 'unspecified'")
+    print(f"inspect it with `dhelix plan show {shlex.quote(args.output)} --png PLAN.png`")
+    return 0
+
+
+def run_show(args) -> int:
+    from planner.plan import load_plan
+    from planner.render import plan_table, render_png, write_trace
+
+    try:
+        plan = load_plan(args.plan)
+    except FormatError as exc:
+        return _fail(str(exc))
+    print(plan_table(plan))
+    if args.png:
+        print(f"wrote timeline picture {render_png(plan, args.png)}")
+    if args.trace:
+        print(f"wrote Chrome trace {write_trace(plan, args.trace)} "
+              f"(open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def run_check(args) -> int:
+    from dhelix.dag import load_dag
+    from planner.plan import check_fingerprint, check_plan_dags, load_plan
+    from profiler.profile_file import canonical_hardware, load_profile
+
+    if bool(args.fwd_dag) != bool(args.bwd_dag):
+        return _fail("give both --fwd-dag and --bwd-dag, or neither")
+    try:
+        plan = load_plan(args.plan)
+        expected = {name: getattr(args, name) for name in ("model", "parallel", "hardware")
+                    if getattr(args, name)}
+        if args.profile:
+            profile = load_profile(args.profile)
+            expected["profile_sha"] = profile.sha
+            expected.setdefault("hardware", canonical_hardware(profile.hardware))
+        check_fingerprint(plan, expected, args.plan)
+        if args.fwd_dag:
+            check_plan_dags(plan, load_dag(args.fwd_dag), load_dag(args.bwd_dag), args.plan)
+    except FormatError as exc:
+        return _fail(str(exc))
+    print(f"{args.plan}: matches ({', '.join(sorted(expected)) or 'nothing to compare'}"
+          f"{', DAGs' if args.fwd_dag else ''})")
+    return 0
+
+
+def _fingerprint_options(parser) -> None:
+    for name, text in _FINGERPRINT_HELP.items():
+        parser.add_argument(f"--{name}", metavar=name.upper(), help=text)
+
+
+def register(subparsers) -> None:
+    from planner.build import DEFAULT_MAX_ORDERS, DEFAULT_WGRAD_MOVE, PAIRERS
+
+    p = subparsers.add_parser(
+        "plan", help="build, show or check a strand-interleaving plan",
+        description="Build a plan from a layer's operator DAGs (`dhelix plan --fwd-dag F "
+        "--bwd-dag B --profile P -o PLAN`), or inspect one (`dhelix plan show PLAN`) or check "
+        "it against a run (`dhelix plan check PLAN ...`).")
+    p.add_argument("--fwd-dag", metavar="FILE", help="forward operator DAG (dhelix-dag file)")
+    p.add_argument("--bwd-dag", metavar="FILE", help="backward operator DAG (dhelix-dag file)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="operator profile (dhelix-profile file); without it the analytic "
+                   "default costs are used and the plan is marked estimated")
+    p.add_argument("--pairer", choices=PAIRERS, default="dp",
+                   help="dp (search; default), sequential or round_robin (baselines)")
+    p.add_argument("--max-orders", type=int, default=DEFAULT_MAX_ORDERS, metavar="N",
+                   help=f"candidate orders per direction (default {DEFAULT_MAX_ORDERS})")
+    p.add_argument("--wgrad-move", type=int, default=DEFAULT_WGRAD_MOVE, metavar="K",
+                   help="how many slots a movable (wgrad) op may move from its program "
+                   f"position (default {DEFAULT_WGRAD_MOVE})")
+    _fingerprint_options(p)
+    p.add_argument("-o", "--output", metavar="PLAN", help="plan file to write")
+    p.set_defaults(func=run_build)
+
+    actions = p.add_subparsers(dest="plan_action", metavar="{show,check}")
+    show = actions.add_parser("show", help="print a plan's blocks; draw its timeline",
+                              description="Print the plan's block table and optionally write "
+                              "a timeline PNG and a Chrome/Perfetto trace.")
+    show.add_argument("plan", metavar="PLAN")
+    show.add_argument("--png", metavar="OUT", help="write the timeline picture here")
+    show.add_argument("--trace", metavar="OUT", help="write a Chrome trace JSON here")
+    show.set_defaults(func=run_show)
+
+    check = actions.add_parser("check", help="check a plan against a run's fingerprint/DAGs",
+                               description="Exit 0 if the plan fits the given run, else name "
+                               "every difference and the command that regenerates the plan.")
+    check.add_argument("plan", metavar="PLAN")
+    check.add_argument("--fwd-dag", metavar="FILE")
+    check.add_argument("--bwd-dag", metavar="FILE")
+    check.add_argument("--profile", metavar="FILE")
+    _fingerprint_options(check)
+    check.set_defaults(func=run_check)

@@ -1,0 +1,189 @@
+"""The block model: how long one block (a forward segment co-executed with a backward segment)
+takes, and when each of its operators runs.
+
+Model (fluid co-execution):
+- Each strand runs its segment's operators one after another, in order (this is what keeps
+  intra-strand dependencies satisfied without any cross-strand reasoning).
+- At any moment each strand has at most one current operator. While both strands have one,
+  the two co-run and each progresses at 1/sigma(f, b) of its solo speed, sigma = 2 - OEF
+  (`planner.costs`). Computation of both strands sharing the compute lane is the case
+  OEF = 0 (sigma 2: the lane is time-shared, the pair takes T_f + T_b); communication on its
+  own channel lane next to computation is the case OEF ~ 0.75 (mostly hidden).
+- When one strand has finished its segment, the other runs the rest of its segment solo.
+- The block ends when both segments are done (the barrier); the next block starts then.
+
+`simulate_block` is the reference implementation (one block, with a per-operator timeline).
+`block_cost_table` computes the same times for every block of a pair of orders at once,
+vectorised over the start positions, for the DP. Both follow the same event sequence, so they
+agree to floating-point rounding (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from planner.blocks import comm_mask
+from planner.costs import CostModel
+
+_DONE = 1e30  # remaining work of a strand that has finished (never the minimum)
+
+
+@dataclass(frozen=True)
+class OpSpan:
+    """When one operator ran, relative to the start of its block."""
+
+    strand: str  # "fwd" or "bwd"
+    op: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class BlockSim:
+    """Result of simulating one block: its duration, each operator's span, and the
+    (fwd op, bwd op) pairs that co-ran for a positive time."""
+
+    ms: float
+    spans: tuple
+    corun: frozenset = field(default_factory=frozenset)
+
+
+def simulate_block(fwd_ops: Sequence[str], bwd_ops: Sequence[str], costs: CostModel) -> BlockSim:
+    """Duration and timeline of one block under the fluid model (module docstring). Either
+    segment may be empty; a solo segment takes the sum of its solo times."""
+    solo = {"fwd": costs.solo_f, "bwd": costs.solo_b}
+    seqs = {"fwd": list(fwd_ops), "bwd": list(bwd_ops)}
+    pos = {"fwd": 0, "bwd": 0}
+    work = {s: (solo[s][seqs[s][0]] if seqs[s] else _DONE) for s in seqs}
+    begun = {s: 0.0 for s in seqs}
+    spans: list[OpSpan] = []
+    corun = set()
+    t = 0.0
+    while pos["fwd"] < len(seqs["fwd"]) or pos["bwd"] < len(seqs["bwd"]):
+        both = pos["fwd"] < len(seqs["fwd"]) and pos["bwd"] < len(seqs["bwd"])
+        pair = (seqs["fwd"][pos["fwd"]], seqs["bwd"][pos["bwd"]]) if both else None
+        sigma = costs.sigma[pair] if both else 1.0
+        step = min(work["fwd"], work["bwd"])
+        t = t + step * sigma
+        if both:
+            corun.add(pair)
+        for s in ("fwd", "bwd"):
+            work[s] = work[s] - step
+        for s in ("fwd", "bwd"):
+            if pos[s] < len(seqs[s]) and work[s] <= 0.0:
+                spans.append(OpSpan(s, seqs[s][pos[s]], begun[s], t))
+                pos[s] += 1
+                begun[s] = t
+                work[s] = solo[s][seqs[s][pos[s]]] if pos[s] < len(seqs[s]) else _DONE
+    return BlockSim(t, tuple(spans), frozenset(corun))
+
+
+def _prefix(values: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(values)])
+
+
+def _mask_prefix(masks: list[int]) -> np.ndarray:
+    """seg[a, b] = OR of masks[a:b] (0 where b <= a)."""
+    n = len(masks)
+    seg = np.zeros((n + 1, n + 1), dtype=np.int64)
+    for a in range(n):
+        acc = 0
+        for b in range(a + 1, n + 1):
+            acc |= masks[b - 1]
+            seg[a, b] = acc
+    return seg
+
+
+def block_cost_table(fwd_order: Sequence[str], bwd_order: Sequence[str], costs: CostModel,
+                     fwd_masks: Sequence[int], bwd_masks: Sequence[int]) -> np.ndarray:
+    """Duration of every block of the two orders: `P[i, j, a, b]` is the time of the block
+    pairing fwd_order[a:i] with bwd_order[b:j] (a <= i, b <= j, not both empty), `inf` for an
+    empty or illegal block (same communication channel in both segments; `*_masks` are the
+    per-op channel bits of `comm_mask`). Equal, to rounding, to `simulate_block` of each block.
+
+    How: for every start (a, b) one event sweep runs both strands from a and b to the ends of
+    their orders. A block ending at (i, j) behaves exactly like that sweep until the first of
+    its two segments completes (at the time tf[i] or tb[j] the sweep records), after which the
+    other strand runs the rest of its segment solo; so all ends are read off one sweep."""
+    n, m = len(fwd_order), len(bwd_order)
+    tf_solo = np.array([costs.solo_f[o] for o in fwd_order], dtype=float)
+    tb_solo = np.array([costs.solo_b[o] for o in bwd_order], dtype=float)
+    pf, pb = _prefix(tf_solo), _prefix(tb_solo)
+    table = np.full((n + 1, m + 1, n + 1, m + 1), np.inf)  # [a, b, i, j] while filling
+
+    if n and m:
+        work_f = np.append(tf_solo, _DONE)
+        work_b = np.append(tb_solo, _DONE)
+        sig = np.ones((n + 1, m + 1))
+        sig[:n, :m] = [[costs.sigma[(f, b)] for b in bwd_order] for f in fwd_order]
+        start_f = np.repeat(np.arange(n), m)
+        start_b = np.tile(np.arange(m), n)
+        count = n * m
+        rows = np.arange(count)
+        k, l = start_f.copy(), start_b.copy()
+        wf, wb = work_f[k], work_b[l]
+        t = np.zeros(count)
+        # at the time the forward strand has completed i ops: time, and the backward strand's
+        # completed-op count and remaining work of its current op (and vice versa)
+        tf = np.full((count, n + 1), np.inf)
+        b_done_at_f = np.zeros((count, n + 1), dtype=np.int64)
+        b_left_at_f = np.zeros((count, n + 1))
+        tb = np.full((count, m + 1), np.inf)
+        f_done_at_b = np.zeros((count, m + 1), dtype=np.int64)
+        f_left_at_b = np.zeros((count, m + 1))
+        for _ in range(n + m):
+            live = (k < n) | (l < m)
+            if not live.any():
+                break
+            step = np.where(live, np.minimum(wf, wb), 0.0)
+            t = t + step * sig[k, l]
+            wf, wb = wf - step, wb - step
+            fin_f = (k < n) & (wf <= 0.0)
+            fin_b = (l < m) & (wb <= 0.0)
+            k, l = k + fin_f, l + fin_b
+            wf = np.where(fin_f, work_f[k], wf)
+            wb = np.where(fin_b, work_b[l], wb)
+            r = rows[fin_f]
+            tf[r, k[r]] = t[r]
+            b_done_at_f[r, k[r]] = l[r]
+            b_left_at_f[r, k[r]] = wb[r]
+            r = rows[fin_b]
+            tb[r, l[r]] = t[r]
+            f_done_at_b[r, l[r]] = k[r]
+            f_left_at_b[r, l[r]] = wf[r]
+        ends_i = np.arange(n + 1)[None, :, None]
+        ends_j = np.arange(m + 1)[None, None, :]
+        tfi, tbj = tf[:, :, None], tb[:, None, :]
+        # rest of the backward segment [.., j) after the forward one finished (and vice versa)
+        cb = b_done_at_f[:, :, None]
+        rest_b = np.where(cb < ends_j,
+                          b_left_at_f[:, :, None] + pb[ends_j] - pb[np.minimum(cb + 1, m)], 0.0)
+        cf = f_done_at_b[:, None, :]
+        rest_f = np.where(cf < ends_i,
+                          f_left_at_b[:, None, :] + pf[ends_i] - pf[np.minimum(cf + 1, n)], 0.0)
+        with np.errstate(invalid="ignore"):
+            both = np.where(tfi <= tbj, tfi + rest_b, tbj + rest_f)
+        valid = (ends_i > start_f[:, None, None]) & (ends_j > start_b[:, None, None])
+        both = np.where(valid, both, np.inf)
+        table[:n, :m] = both.reshape(n, m, n + 1, m + 1)
+
+    # one strand alone: the sum of its solo times
+    for a in range(n + 1):
+        for i in range(a + 1, n + 1):
+            table[a, np.arange(m + 1), i, np.arange(m + 1)] = pf[i] - pf[a]
+    for b in range(m + 1):
+        for j in range(b + 1, m + 1):
+            table[np.arange(n + 1), b, np.arange(n + 1), j] = pb[j] - pb[b]
+
+    seg_f, seg_b = _mask_prefix(list(fwd_masks)), _mask_prefix(list(bwd_masks))
+    clash = (seg_f[:, None, :, None] & seg_b[None, :, None, :]) != 0
+    table[clash] = np.inf
+    return np.ascontiguousarray(table.transpose(2, 3, 0, 1))  # -> [i, j, a, b]
+
+
+def op_masks(order: Sequence[str], ops: dict) -> list[int]:
+    """Per-op channel bits (see `planner.blocks.comm_mask`) of an order."""
+    return [comm_mask([ops[o]]) for o in order]

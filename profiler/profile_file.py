@@ -1,0 +1,166 @@
+"""The operator profile file (`dhelix-profile`, version 1): reader, writer, validation, hash.
+
+Layout (all times in milliseconds):
+    {"format": "dhelix-profile", "version": 1,
+     "hardware": "<fingerprint string>" | {fingerprint fields},
+     "solo":  {cost_key: ms},               # each operator timed alone
+     "pairs": {"keyA|keyB": ms},            # two operators co-executed (unordered pair)
+     "meta":  {"repeats": int >= 1, "warmup": int >= 0, "ranks": int >= 1,
+               "created": "ISO-8601 time"}}
+
+A pair names two cost keys that must both have a solo time (otherwise the overlap
+effectiveness of the pair cannot be computed); a pair is unordered, so "a|b" and "b|a" are the
+same pair and may appear at most once between them. Cost keys may not contain "|".
+
+The profiler (a later issue) measures and writes these files; the planner reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dhelix.file_formats import REGENERATE, FormatError, read_versioned, write_versioned
+
+PROFILE_FORMAT_VERSION = 1
+PAIR_SEPARATOR = "|"
+META_FIELDS = {"repeats": 1, "warmup": 0, "ranks": 1}  # integer field -> smallest legal value
+
+
+def pair_key(key_a: str, key_b: str) -> frozenset | tuple:
+    """The lookup key of an unordered pair of cost keys (a frozenset, or a 1-tuple when both
+    operators share one cost key)."""
+    return (key_a,) if key_a == key_b else frozenset((key_a, key_b))
+
+
+def canonical_hardware(hardware) -> str:
+    """A hardware fingerprint as one stable string: strings stay as they are, a dict becomes
+    compact JSON with sorted keys (so field order never changes the fingerprint)."""
+    if isinstance(hardware, str):
+        return hardware
+    return json.dumps(hardware, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated profile. `pairs` maps `pair_key(a, b)` to the co-executed time of the two
+    operators; `sha` is `profile_sha` of the document it was read from or will be written as."""
+
+    hardware: str | dict
+    solo: dict
+    pairs: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def pair_ms(self, key_a: str, key_b: str) -> float | None:
+        """Measured co-execution time of the two cost keys, or None if not profiled."""
+        return self.pairs.get(pair_key(key_a, key_b))
+
+    def to_document(self) -> dict:
+        """The JSON payload (without the format/version header), pairs as "a|b" strings in
+        a deterministic order."""
+        pairs = {}
+        for key, ms in self.pairs.items():
+            names = sorted(key) if isinstance(key, frozenset) else [key[0], key[0]]
+            pairs[PAIR_SEPARATOR.join(names)] = ms
+        return {
+            "hardware": self.hardware,
+            "solo": dict(sorted(self.solo.items())),
+            "pairs": dict(sorted(pairs.items())),
+            "meta": dict(self.meta),
+        }
+
+    @property
+    def sha(self) -> str:
+        return profile_sha(self.to_document())
+
+
+def profile_sha(document: dict) -> str:
+    """sha256 (hex) of the profile's canonical JSON (header removed, times as floats, sorted
+    keys, compact separators): the same measurements give the same hash whatever the file's
+    formatting, key order, number spelling (2 vs 2.0) or pair spelling ("a|b" vs "b|a")."""
+    body = {k: v for k, v in document.items() if k not in ("format", "version")}
+    body["solo"] = {key: float(ms) for key, ms in body.get("solo", {}).items()}
+    body["pairs"] = {
+        PAIR_SEPARATOR.join(sorted(name.split(PAIR_SEPARATOR))): float(ms)
+        for name, ms in body.get("pairs", {}).items()
+    }
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _positive_ms(where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: time must be a number of milliseconds, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: time must be a positive finite number of ms, got {value!r}")
+    return value
+
+
+def profile_from_document(document: dict) -> Profile:
+    """Validate a profile payload and return it as a `Profile`. Raises ValueError naming the
+    offending entry: a missing section, a non-positive time, a cost key containing '|', a
+    pair naming a cost key that has no solo time, a pair listed twice, bad meta fields."""
+    for section in ("hardware", "solo", "pairs", "meta"):
+        if section not in document:
+            raise ValueError(f"missing section {section!r}")
+    hardware = document["hardware"]
+    if not (isinstance(hardware, str) and hardware) and not (
+        isinstance(hardware, dict) and hardware
+    ):
+        raise ValueError(f"hardware must be a non-empty string or object, got {hardware!r}")
+    solo_in, pairs_in, meta = document["solo"], document["pairs"], document["meta"]
+    if not isinstance(solo_in, dict) or not solo_in:
+        raise ValueError("solo must be a non-empty object {cost_key: ms}")
+    if not isinstance(pairs_in, dict):
+        raise ValueError("pairs must be an object {\"keyA|keyB\": ms}")
+    solo = {}
+    for key, ms in solo_in.items():
+        if not key or PAIR_SEPARATOR in key:
+            raise ValueError(f"solo: cost key {key!r} is empty or contains {PAIR_SEPARATOR!r}")
+        solo[key] = _positive_ms(f"solo[{key!r}]", ms)
+    pairs = {}
+    for name, ms in pairs_in.items():
+        parts = name.split(PAIR_SEPARATOR)
+        if len(parts) != 2 or not all(parts):
+            raise ValueError(f"pairs: {name!r} is not of the form 'keyA|keyB'")
+        unknown = [p for p in parts if p not in solo]
+        if unknown:
+            raise ValueError(
+                f"pairs[{name!r}] names cost key(s) {unknown} that have no solo time"
+            )
+        key = pair_key(*parts)
+        if key in pairs:
+            raise ValueError(f"pairs: {name!r} is listed twice (as 'a|b' and 'b|a')")
+        pairs[key] = _positive_ms(f"pairs[{name!r}]", ms)
+    if not isinstance(meta, dict):
+        raise ValueError("meta must be an object")
+    for name, least in META_FIELDS.items():
+        value = meta.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"meta.{name} must be an integer >= {least}, got {value!r}")
+    if not isinstance(meta.get("created"), str) or not meta["created"]:
+        raise ValueError(f"meta.created must be a timestamp string, got {meta.get('created')!r}")
+    return Profile(hardware=hardware, solo=solo, pairs=pairs, meta=dict(meta))
+
+
+def save_profile(profile: Profile, path) -> Path:
+    """Write `profile` atomically as a dhelix-profile v1 file (validating it first)."""
+    document = profile.to_document()
+    profile_from_document(document)
+    return write_versioned(path, "profile", PROFILE_FORMAT_VERSION, document)
+
+
+def load_profile(path) -> Profile:
+    """Read and validate a dhelix-profile v1 file; FormatError names the file and the problem."""
+    document = read_versioned(path, "profile", PROFILE_FORMAT_VERSION)
+    try:
+        return profile_from_document(document)
+    except ValueError as exc:
+        raise FormatError(
+            f"{path}: invalid dhelix-profile ({exc}); regenerate it with "
+            f"`{REGENERATE['profile']}`"
+        ) from exc

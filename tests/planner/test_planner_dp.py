@@ -1,0 +1,143 @@
+"""The block model and the joint segmentation/pairing DP against brute force."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from planner_reference import exhaustive_best, random_dag, random_profile
+
+from dhelix.dag import OpDAG, OpNode, topological_violation
+from planner.blocks import Block, Pairing, pairing_violation, shared_channels
+from planner.cosched import block_cost_table, op_masks, simulate_block
+from planner.costs import build_cost_model
+from planner.dp import dp_search
+from planner.orders import candidate_orders
+from planner.synthetic import layer_dags, layer_profile
+from profiler.profile_file import Profile, pair_key
+
+
+def _case(seed, n_max=4, m_max=4):
+    rng = random.Random(seed)
+    fwd = random_dag(rng, "fwd", rng.randint(1, n_max))
+    bwd = random_dag(rng, "bwd", rng.randint(1, m_max))
+    profile = random_profile(rng, fwd, bwd) if rng.random() < 0.8 else None
+    return fwd, bwd, build_cost_model(fwd, bwd, profile)
+
+
+def _one_op(direction, op_id, channel, key):
+    kind = "comp" if channel == "compute" else "comm"
+    return OpDAG(direction, [OpNode(op_id, kind, channel, (), key, False, "x")])
+
+
+def _profile(solo, pairs):
+    return Profile("hw", solo, {pair_key(*k.split("|")): v for k, v in pairs.items()},
+                   {"repeats": 1, "warmup": 0, "ranks": 1, "created": "t"})
+
+
+def test_simulated_pair_reproduces_the_measured_pair_time():
+    fwd = _one_op("fwd", "g", "compute", "gemm")
+    bwd = _one_op("bwd", "c", "intra", "ag")
+    costs = build_cost_model(fwd, bwd, _profile({"gemm": 3.0, "ag": 1.0}, {"gemm|ag": 3.4}))
+    sim = simulate_block(["g"], ["c"], costs)
+    assert sim.ms == pytest.approx(3.4)
+    assert sim.corun == {("g", "c")}
+    # and the DP picks the paired block because 3.4 < 3 + 1
+    result = dp_search(fwd, bwd, costs)
+    assert result.planned_ms == pytest.approx(3.4)
+    assert len(result.pairing.blocks) == 1
+
+
+def test_same_channel_communication_is_never_paired_even_if_profitable():
+    fwd = _one_op("fwd", "a", "intra", "ag")
+    bwd = _one_op("bwd", "b", "intra", "rs")
+    # a (bogus) profile claiming perfect overlap must not tempt the DP
+    costs = build_cost_model(fwd, bwd, _profile({"ag": 1.0, "rs": 1.0}, {"ag|rs": 1.0}))
+    result = dp_search(fwd, bwd, costs)
+    assert result.planned_ms == pytest.approx(2.0)
+    assert all(not block.paired for block in result.pairing.blocks)
+    # intra with cross-node is allowed and used
+    bwd_x = _one_op("bwd", "b", "inter", "rs")
+    costs = build_cost_model(fwd, bwd_x, _profile({"ag": 1.0, "rs": 1.0}, {"ag|rs": 1.2}))
+    assert dp_search(fwd, bwd_x, costs).planned_ms == pytest.approx(1.2)
+
+
+def test_vectorised_block_table_equals_the_reference_simulation():
+    for seed in range(40):
+        fwd, bwd, costs = _case(seed, 6, 7)
+        ops_f, ops_b = fwd.by_id(), bwd.by_id()
+        f_order = candidate_orders(fwd, 4, 2)[-1]
+        b_order = candidate_orders(bwd, 4, 2)[-1]
+        table = block_cost_table(f_order, b_order, costs, op_masks(f_order, ops_f),
+                                 op_masks(b_order, ops_b))
+        n, m = len(f_order), len(b_order)
+        for i in range(n + 1):
+            for j in range(m + 1):
+                for a in range(i + 1):
+                    for b in range(j + 1):
+                        seg_f, seg_b = f_order[a:i], b_order[b:j]
+                        illegal = shared_channels([ops_f[o] for o in seg_f],
+                                                  [ops_b[o] for o in seg_b])
+                        if (a, b) == (i, j) or illegal:
+                            assert table[i, j, a, b] == math.inf
+                        else:
+                            expected = simulate_block(seg_f, seg_b, costs).ms
+                            assert table[i, j, a, b] == pytest.approx(expected, rel=1e-9), \
+                                (seed, seg_f, seg_b)
+
+
+def test_dp_equals_exhaustive_search_on_random_small_problems():
+    checked = 0
+    for seed in range(120):
+        fwd, bwd, costs = _case(1000 + seed)
+        f_orders = candidate_orders(fwd, 3, 2)
+        b_orders = candidate_orders(bwd, 3, 2)
+        result = dp_search(fwd, bwd, costs, max_orders=3, wgrad_move=2)
+        best = exhaustive_best(fwd, bwd, costs, f_orders, b_orders)
+        assert result.planned_ms == pytest.approx(best, rel=1e-9, abs=1e-12), seed
+        # the pairing it returns really takes that long and is legal
+        total = sum(simulate_block(b.fwd, b.bwd, costs).ms for b in result.pairing.blocks)
+        assert total == pytest.approx(result.planned_ms, rel=1e-9)
+        assert pairing_violation(fwd, bwd, result.pairing) is None
+        checked += len(f_orders) * len(b_orders)
+    assert checked > 120  # some cases really had several candidate orders
+
+
+def test_dp_never_exceeds_sequential_and_emits_only_legal_topological_plans():
+    for seed in range(200):
+        fwd, bwd, costs = _case(5000 + seed, 7, 8)
+        result = dp_search(fwd, bwd, costs, max_orders=8, wgrad_move=3)
+        assert result.planned_ms <= costs.sequential_ms() * (1 + 1e-12)
+        pairing = result.pairing
+        assert topological_violation(fwd, pairing.fwd_order) is None
+        assert topological_violation(bwd, pairing.bwd_order) is None
+        assert pairing_violation(fwd, bwd, pairing) is None
+        ops_f, ops_b = fwd.by_id(), bwd.by_id()
+        for block in pairing.blocks:
+            assert not shared_channels([ops_f[o] for o in block.fwd],
+                                       [ops_b[o] for o in block.bwd])
+
+
+def test_pairing_violation_detects_each_broken_rule():
+    fwd = OpDAG("fwd", [OpNode("f0", "comm", "intra", (), "k0"),
+                        OpNode("f1", "comp", "compute", ("f0",), "k1")])
+    bwd = OpDAG("bwd", [OpNode("b0", "comm", "intra", (), "k2")])
+    ok = Pairing(("f0", "f1"), ("b0",), [Block(("f0",), ()), Block(("f1",), ("b0",))])
+    assert pairing_violation(fwd, bwd, ok) is None
+    same_channel = Pairing(("f0", "f1"), ("b0",), [Block(("f0",), ("b0",)), Block(("f1",), ())])
+    assert "same channel" in pairing_violation(fwd, bwd, same_channel)
+    not_topo = Pairing(("f1", "f0"), ("b0",), [Block(("f1", "f0"), ()), Block((), ("b0",))])
+    assert "before its dependency" in pairing_violation(fwd, bwd, not_topo)
+    bad_cut = Pairing(("f0", "f1"), ("b0",), [Block(("f0",), ()), Block((), ("b0",))])
+    assert "concatenate" in pairing_violation(fwd, bwd, bad_cut)
+
+
+def test_full_layer_search_finds_a_real_speedup():
+    fwd, bwd = layer_dags()
+    costs = build_cost_model(fwd, bwd, layer_profile(fwd, bwd))
+    result = dp_search(fwd, bwd, costs, max_orders=16, wgrad_move=3)
+    assert (len(fwd.ops), len(bwd.ops)) == (14, 18)
+    assert result.bwd_orders == 16
+    assert costs.sequential_ms() / result.planned_ms > 1.1
+    assert pairing_violation(fwd, bwd, result.pairing) is None
+    assert np.isfinite(result.planned_ms)
