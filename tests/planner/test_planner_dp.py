@@ -5,7 +5,7 @@ import random
 
 import numpy as np
 import pytest
-from planner_reference import exhaustive_best, random_dag, random_profile
+from tests.planner.planner_reference import exhaustive_best, random_dag, random_profile
 
 from dhelix.dag import OpDAG, OpNode, topological_violation
 from planner.blocks import Block, Pairing, pairing_violation, shared_channels

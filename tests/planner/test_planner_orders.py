@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from planner_reference import all_topological_orders, random_dag
+from tests.planner.planner_reference import all_topological_orders, random_dag
 
 from dhelix.dag import OpDAG, OpNode, topological_sort, topological_violation
 from planner.orders import candidate_orders, movable_slots, movement
