@@ -8,7 +8,10 @@ communication kernels here. Non-GEMM kernels run Megatron's own module code in a
 autograd graph (`dhelix.ops.local_graph`).
 
 Every kernel runs under `torch.no_grad()` (the executor guarantees it) and reads/writes the
-execution state only through `state.get` / `state.put` / `state.put_pending`.
+execution state only through `state.take` / `state.put` / `state.put_pending`. `take`
+returns an input and, when the running operator is its last reader, drops the state's
+reference at once, so a kernel that stops using an input frees it mid-operator as Megatron's
+code would.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-from dhelix.ops.local_graph import LocalGraph, accumulate_param_grads
+from dhelix.ops.local_graph import LocalGraph, deliver_param_grads
 from dhelix.ops.registry import Kernel, register_kernel
 from megatron_patches.layer_regions import attention_core, mlp_activation, run_forward_pre_hooks
 
@@ -32,9 +35,10 @@ class LinearForward(Kernel):
 
     def run(self, op, state):
         module = state.binding.module(op.attrs["module"])
-        total_input = state.get(op.inputs[0])
+        total_input = state.take(op.inputs[0])
         run_forward_pre_hooks(module, (total_input,))
         output = torch.matmul(total_input, module.weight.t())
+        del total_input
         if op.attrs["add_bias"]:
             output = output + module.bias
         state.put(op.outputs[0], output)
@@ -48,25 +52,32 @@ class LinearDgrad(Kernel):
 
     def run(self, op, state):
         module = state.binding.module(op.attrs["module"])
-        state.put(op.outputs[0], state.get(op.inputs[0]).matmul(module.weight))
+        state.put(op.outputs[0], state.take(op.inputs[0]).matmul(module.weight))
 
 
 @register_kernel
 class LinearWgrad(Kernel):
     """`grad_W = grad_output^T @ input` over all tokens (and `grad_b = sum(grad_output)`
-    when the bias is added inside the GEMM); delivered through `accumulate_param_grads`.
-    Inputs: (output gradient, GEMM input as used in the forward)."""
+    when the bias is added inside the GEMM), computed and delivered by
+    `deliver_param_grads`. Inputs: (output gradient, GEMM input as used in the forward)."""
 
     name, kind, op_class = "linear_wgrad", "comp", "gemm"
 
     def run(self, op, state):
         module = state.binding.module(op.attrs["module"])
-        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
-            state.get(op.inputs[0]), state.get(op.inputs[1])
-        )
-        grad_weight = grad_output.t().matmul(total_input)
-        grad_bias = grad_output.sum(dim=0) if op.attrs["bias_grad"] else None
-        accumulate_param_grads([module.weight, module.bias], [grad_weight, grad_bias])
+        operands = [state.take(op.inputs[0]), state.take(op.inputs[1])]
+        with_bias = op.attrs["bias_grad"]
+
+        def compute():
+            grad_output, total_input = prepare_input_tensors_for_wgrad_compute(*operands)
+            operands.clear()
+            grads = [grad_output.t().matmul(total_input)]
+            if with_bias:
+                grads.append(grad_output.sum(dim=0))
+            return grads
+
+        params = [module.weight, module.bias] if with_bias else [module.weight]
+        deliver_param_grads(params, compute)
 
 
 # ------------------------------------------------------------- collectives
@@ -83,7 +94,7 @@ class AllGather(Kernel):
 
     def run(self, op, state):
         group = _group(op, state)
-        shard = state.get(op.inputs[0]).contiguous()
+        shard = state.take(op.inputs[0]).contiguous()
         size = list(shard.shape)
         size[0] *= group.size()
         output = torch.empty(size, dtype=shard.dtype, device=shard.device)
@@ -99,7 +110,7 @@ class ReduceScatter(Kernel):
 
     def run(self, op, state):
         group = _group(op, state)
-        full = state.get(op.inputs[0]).contiguous()
+        full = state.take(op.inputs[0]).contiguous()
         size = list(full.shape)
         if size[0] % group.size():
             raise RuntimeError(f"{op.id}: dim 0 ({size[0]}) not divisible by the group size")
@@ -117,7 +128,7 @@ class AllReduce(Kernel):
     name, kind, op_class = "all_reduce", "comm", "all_reduce"
 
     def run(self, op, state):
-        tensor = state.get(op.inputs[0])
+        tensor = state.take(op.inputs[0])
         if not tensor.is_contiguous():
             raise RuntimeError(f"{op.id}: all-reduce input must be contiguous")
         work = dist.all_reduce(tensor, group=_group(op, state), async_op=True)
@@ -139,15 +150,29 @@ def _put_traced(op, state, outputs, graph):
 
 @register_kernel
 class NormForward(Kernel):
-    """The layer's LayerNorm/RMSNorm module; outputs (normed, graph)."""
+    """The layer's LayerNorm/RMSNorm module; outputs (normed, graph).
+
+    The norm's input is also the residual stream, whose gradient the backward adds to the
+    norm's input gradient. The traced region therefore also returns the input itself (a
+    view, not stored): the backward feeds the residual gradient in there, and autograd
+    accumulates it with the norm's internal input gradients in the same order as in
+    Megatron's whole-model backward - bit-identical even for composite norms (RMSNorm) whose
+    input gradient is itself a sum."""
 
     name, kind, op_class = "norm_fwd", "comp", "norm"
 
     def run(self, op, state):
         norm = state.binding.module(op.attrs["module"])
-        outputs, graph = LocalGraph.trace(op.id, lambda x: norm(x), {"x": state.get(op.inputs[0])},
-                                          list(norm.parameters()))
-        _put_traced(op, state, outputs, graph)
+
+        def region(inputs):
+            x = inputs.pop("x")
+            return norm(x), x.view_as(x)
+
+        (output, _residual), graph = LocalGraph.trace(
+            op.id, region, {"x": state.take(op.inputs[0])}, list(norm.parameters())
+        )
+        state.put(op.outputs[0], output)
+        state.put(op.outputs[1], graph)
 
 
 @register_kernel
@@ -159,9 +184,9 @@ class AttentionForward(Kernel):
 
     def run(self, op, state):
         attn = state.binding.module(op.attrs["module"])
-        mixed_qkv, mask, rotary = (state.get(name) for name in op.inputs)
+        mixed_qkv, mask, rotary = (state.take(name) for name in op.inputs)
         outputs, graph = LocalGraph.trace(
-            op.id, lambda x, **kw: attention_core(attn, x, **kw),
+            op.id, lambda inputs, **kw: attention_core(attn, inputs.pop("x"), **kw),
             {"x": mixed_qkv}, _own_params(attn, ("linear_qkv", "linear_proj")),
             attention_mask=mask, rotary_pos_emb=rotary,
         )
@@ -171,7 +196,9 @@ class AttentionForward(Kernel):
 @register_kernel
 class ActivationForward(Kernel):
     """Megatron's MLP between FC1 and FC2: FC1 bias add and (gated) activation; outputs
-    (activation, graph). FC1's bias gradient comes out of this operator's backward."""
+    (activation, graph). FC1's bias gradient comes out of this operator's backward. The
+    FC1 output is handed to Megatron's code the way its own FC1 would return it, so it is
+    freed right after the bias add, as in Megatron."""
 
     name, kind, op_class = "activation_fwd", "comp", "elementwise"
 
@@ -179,7 +206,8 @@ class ActivationForward(Kernel):
         mlp = state.binding.module(op.attrs["module"])
         params = [mlp.linear_fc1.bias, *_own_params(mlp, ("linear_fc1", "linear_fc2"))]
         outputs, graph = LocalGraph.trace(
-            op.id, lambda x: mlp_activation(mlp, x), {"x": state.get(op.inputs[0])}, params,
+            op.id, lambda inputs: mlp_activation(mlp, lambda: inputs.pop("x")),
+            {"x": state.take(op.inputs[0])}, params,
         )
         _put_traced(op, state, outputs, graph)
 
@@ -196,12 +224,12 @@ class BiasDropoutAddForward(Kernel):
         bda = getattr(layer, op.attrs["module"])(layer.training, layer.config.bias_dropout_fusion)
         bias = state.binding.module(op.attrs["bias_module"]).bias
 
-        def region(x, residual):
+        def region(inputs):
             with layer.bias_dropout_add_exec_handler():
-                return bda((x, bias), residual, layer.hidden_dropout)
+                return bda((inputs.pop("x"), bias), inputs.pop("residual"), layer.hidden_dropout)
 
         outputs, graph = LocalGraph.trace(
-            op.id, region, {"x": state.get(op.inputs[0]), "residual": state.get(op.inputs[1])},
+            op.id, region, {"x": state.take(op.inputs[0]), "residual": state.take(op.inputs[1])},
             [bias],
         )
         _put_traced(op, state, outputs, graph)
@@ -209,19 +237,16 @@ class BiasDropoutAddForward(Kernel):
 
 @register_kernel
 class GraphBackward(Kernel):
-    """Backward of a traced region. Inputs: (graph, output gradient[, residual gradient]);
-    outputs: the gradients of the region inputs named by `attrs['grads_of']` (the traced
-    regions call their main input `x`, bias-dropout-add also has `residual`), the first
-    one plus the residual gradient when `attrs['add_residual']`. Parameter gradients go
-    through `accumulate_param_grads`; the graph (and what it saved) is freed."""
+    """Backward of a traced region. Inputs: (graph, gradient of each region output - for
+    norms the normed output and the residual stream); outputs: the gradients of the region
+    inputs named by `attrs['grads_of']` (the traced regions call their main input `x`,
+    bias-dropout-add also has `residual`). Parameter gradients are delivered by
+    `deliver_param_grads`; the graph (and what it saved) is freed."""
 
     name, kind, op_class = "graph_bwd", "comp", "elementwise"
 
     def run(self, op, state):
-        graph = state.get(op.inputs[0])
-        grads = graph.backward([state.get(op.inputs[1])])
-        results = [grads[key] for key in op.attrs["grads_of"]]
-        if op.attrs.get("add_residual"):
-            results[0] = results[0] + state.get(op.inputs[2])
-        for name, value in zip(op.outputs, results):
-            state.put(name, value)
+        graph = state.take(op.inputs[0])
+        grads = graph.backward([state.take(name) for name in op.inputs[1:]])
+        for name, key in zip(op.outputs, op.attrs["grads_of"]):
+            state.put(name, grads.pop(key))

@@ -199,7 +199,7 @@ def build_layer_programs(desc: LayerDescription) -> LayerPrograms:
                      d.fc1_out_per_rank, h, column=True, bias_in_gemm=False)
     b.tensor("d.h1", sl, h)
     b.op("bwd", "ln2.bwd", "graph_bwd", COMP, "norm", ["ln2.graph", "d.ln2.out", "d.h1.res"],
-         ["d.h1"], b.key(f"{norm}.bwd", s=sl, b=bsz, h=h), grads_of=("x",), add_residual=True)
+         ["d.h1"], b.key(f"{norm}.bwd", s=sl, b=bsz, h=h), grads_of=("x",))
 
     b.like("d.proj.out", "proj.out")
     b.like("d.x.res", "x")
@@ -217,7 +217,7 @@ def build_layer_programs(desc: LayerDescription) -> LayerPrograms:
                      d.qkv_out_per_rank, h, column=True, bias_in_gemm=d.add_qkv_bias)
     b.tensor("d.x", sl, h)
     b.op("bwd", "ln1.bwd", "graph_bwd", COMP, "norm", ["ln1.graph", "d.ln1.out", "d.x.res"],
-         ["d.x"], b.key(f"{norm}.bwd", s=sl, b=bsz, h=h), grads_of=("x",), add_residual=True)
+         ["d.x"], b.key(f"{norm}.bwd", s=sl, b=bsz, h=h), grads_of=("x",))
 
     forward = Program("fwd", b.fwd, inputs=("x", "attention_mask", "rotary_pos_emb"),
                       outputs=("y",))

@@ -9,10 +9,12 @@ nothing, and only gradient *edges* are kept, never the output tensors), so activ
 memory matches Megatron's.
 
 Parameter gradients always reach the parameters through their autograd accumulator node
-(`accumulate_param_grads`): `param.grad` accumulates as autograd would, and every hook
-registered on the accumulator - Megatron DDP's backward post-hook, which adds `param.grad`
-into `param.main_grad`, clears `param.grad` and (with overlap_grad_reduce) marks the
-parameter ready for its bucket's grad sync - fires exactly as in Megatron's own backward.
+(`deliver_param_grads`, which computes them inside the autograd engine, as a Megatron
+backward function does): `param.grad` accumulates as autograd would (taking the gradient
+tensor itself when it was None, so no copy), and every hook registered on the accumulator -
+Megatron DDP's backward post-hook, which adds `param.grad` into `param.main_grad`, clears
+`param.grad` and (with overlap_grad_reduce) marks the parameter ready for its bucket's grad
+sync - fires exactly as in Megatron's own backward.
 """
 
 from __future__ import annotations
@@ -71,45 +73,65 @@ class LocalGraph:
         self._used = False
 
     @classmethod
-    def trace(cls, name: str, fn: Callable, grad_inputs: Mapping[str, torch.Tensor],
+    def trace(cls, name: str, fn: Callable, grad_inputs: dict,
               params: Sequence[torch.nn.Parameter], **constant_inputs):
-        """Run `fn(**entered_inputs, **constant_inputs)` with grad enabled.
+        """Run `fn(entered, **constant_inputs)` with grad enabled and record its graph.
 
-        `grad_inputs` are tensors whose gradients the backward operator returns;
-        `constant_inputs` get none (masks, rotary tables). `fn` returns a tensor or a tuple
-        of tensors. Returns `(outputs, graph)`: the outputs detached (plain tensors for the
-        next operators, sharing storage with the graph's outputs) and the LocalGraph.
-        Parameters used by `fn` must be listed in `params` to receive gradients.
+        `grad_inputs` maps names to the tensors whose gradients the backward operator
+        returns; trace *takes* them (the dict is emptied) and hands `fn` a dict of the same
+        names holding the entered tensors, which `fn` should pop when it uses them - so that,
+        as in Megatron's forward, an input nobody saves is freed as soon as the code stops
+        using it. `constant_inputs` get no gradient (masks, rotary tables). `fn` returns a
+        tensor or a tuple of tensors. Returns `(outputs, graph)`: the outputs detached
+        (plain tensors for the next operators, sharing storage with the graph's outputs) and
+        the LocalGraph. Parameters used by `fn` must be listed in `params` to get gradients.
         """
         with torch.enable_grad():
             anchor = _anchor()
-            entered = {key: _Entry.apply(t, anchor) for key, t in grad_inputs.items()}
-            result = fn(**entered, **constant_inputs)
+            entered, input_edges = {}, {}
+            for key in list(grad_inputs):
+                tensor = _Entry.apply(grad_inputs.pop(key), anchor)
+                input_edges[key] = get_gradient_edge(tensor)
+                entered[key] = tensor
+                del tensor
+            result = fn(entered, **constant_inputs)
+            entered.clear()
             outputs = result if isinstance(result, tuple) else (result,)
+            del result
             for out in outputs:
                 if not out.requires_grad:
                     raise RuntimeError(f"{name}: an output of the traced operator does not "
                                        "depend on its inputs or parameters")
-            graph = cls(
-                name,
-                {key: get_gradient_edge(t) for key, t in entered.items()},
-                [get_gradient_edge(out) for out in outputs],
-                [p for p in params if p is not None and p.requires_grad],
-            )
+            graph = cls(name, input_edges, [get_gradient_edge(out) for out in outputs],
+                        [p for p in params if p is not None and p.requires_grad])
         return tuple(out.detach() for out in outputs), graph
 
-    def backward(self, grad_outputs: Sequence[torch.Tensor]) -> dict:
-        """Run the graph backward once. Returns {input name: gradient} and sends the
-        parameter gradients through `accumulate_param_grads`. Frees the graph."""
+    def backward(self, grad_outputs: list) -> dict:
+        """Run the graph backward once. Takes the gradient tensors (the list is emptied);
+        returns {input name: gradient} and delivers the parameter gradients as
+        `deliver_param_grads` does. Frees the graph and what it saved."""
         if self._used:
             raise RuntimeError(f"local graph {self.name} was already run backward")
         self._used = True
         names = list(self._input_edges)
         targets = [self._input_edges[n] for n in names] + self._params
-        grads = torch.autograd.grad(self._output_edges, targets, list(grad_outputs),
-                                    allow_unused=True)
-        input_grads = dict(zip(names, grads[:len(names)]))
-        accumulate_param_grads(self._params, grads[len(names):])
+        input_grads: dict = {}
+
+        output_grads = list(grad_outputs)
+        grad_outputs.clear()
+
+        def compute():
+            grads = list(torch.autograd.grad(self._output_edges, targets, output_grads,
+                                             allow_unused=True))
+            output_grads.clear()
+            for name in names:
+                input_grads[name] = grads.pop(0)
+            return grads
+
+        if self._params:
+            deliver_param_grads(self._params, compute)
+        else:
+            compute()
         self.release()
         return input_grads
 
@@ -120,17 +142,33 @@ class LocalGraph:
         self._params = []
 
 
-def accumulate_param_grads(params: Sequence[torch.nn.Parameter],
-                           grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """Deliver `grads[i]` to `params[i]` through the parameter's autograd accumulator.
+class _Deliver(torch.autograd.Function):
+    """Carries parameter gradients computed inside the autograd engine to the parameters'
+    accumulators, exactly as a Megatron backward function returning them would."""
 
-    Equivalent to the gradient arriving during `loss.backward()`: it is added to
-    `param.grad` (stealing the tensor when param.grad is None), and the accumulator's hooks
-    run, so under Megatron DDP the gradient ends in `param.main_grad` with `param.grad`
-    cleared, and grad-sync bookkeeping happens. `None` gradients are skipped. The caller
-    gives up ownership of the gradient tensors.
+    @staticmethod
+    def forward(ctx, compute, *params):
+        ctx.compute = compute
+        return params[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _unused):
+        compute, ctx.compute = ctx.compute, None
+        return (None, *compute())
+
+
+def deliver_param_grads(params: Sequence[torch.nn.Parameter],
+                        compute: Callable[[], list]) -> None:
+    """Compute parameter gradients with `compute()` (a list, one entry per parameter, None
+    to skip) inside the autograd engine and deliver each to its parameter's accumulator.
+
+    Equivalent to the gradients arriving during Megatron's `loss.backward()`: added to
+    `param.grad` (which takes the tensor itself when `param.grad` is None - `compute` must
+    not keep references to what it returns), and the accumulator's hooks run: under Megatron
+    DDP the gradient lands in `param.main_grad`, `param.grad` is cleared, and grad-sync
+    bookkeeping happens. Parameters that do not require grad must not be passed.
     """
-    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
-    if not pairs:
-        return
-    torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+    params = list(params)
+    with torch.enable_grad():
+        carrier = _Deliver.apply(compute, *params)
+    torch.autograd.backward(carrier, carrier.new_empty(0))

@@ -78,6 +78,7 @@ class LayerExecution:
         self._remaining = {name: set(ops) for name, ops in self.programs.consumers.items()}
         self._done: set[str] = set()
         self._phase = "idle"
+        self._running: Optional[str] = None
 
     # --------------------------------------------------------- state access
     def get(self, name: str):
@@ -90,6 +91,15 @@ class LayerExecution:
         if isinstance(value, _Pending):
             value.work.wait()
             value = self._values[name] = value.tensor
+        return value
+
+    def take(self, name: str):
+        """`get` for the running operator; if it is the value's last reader, the state
+        drops its reference now (the kernel's reference is then the only one)."""
+        value = self.get(name)
+        remaining = self._remaining[name]
+        if self._running is not None and remaining == {self._running}:
+            del self._values[name]
         return value
 
     def put(self, name: str, value) -> None:
@@ -167,8 +177,12 @@ class LayerExecution:
         missing = [dep for dep in op.deps if dep not in self._done]
         if missing:
             raise RuntimeError(f"operator {op_id!r} runs before its dependencies {missing}")
-        with torch.no_grad():
-            get_kernel(op.kernel).run(op, self)
+        self._running = op_id
+        try:
+            with torch.no_grad():
+                get_kernel(op.kernel).run(op, self)
+        finally:
+            self._running = None
         self._done.add(op_id)
         for name in op.inputs:
             remaining = self._remaining[name]
