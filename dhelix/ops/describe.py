@@ -63,7 +63,7 @@ class LayerDescription:
     activation: str = "gelu"
     gated_linear_unit: bool = False
     add_bias_linear: bool = True
-    add_qkv_bias: bool = False
+    add_qkv_bias: Optional[bool] = None  # None: same as add_bias_linear (Megatron's rule)
     rope: bool = False
     causal: bool = True
     dtype: str = "float32"
@@ -71,6 +71,8 @@ class LayerDescription:
     topology: NodeTopology = field(default_factory=NodeTopology)
 
     def __post_init__(self):
+        if self.add_qkv_bias is None:
+            object.__setattr__(self, "add_qkv_bias", self.add_bias_linear)
         if not self.tp_ranks:
             object.__setattr__(self, "tp_ranks", tuple(tensor_parallel_ranks(self.tp_size)))
         object.__setattr__(self, "tp_ranks", tuple(self.tp_ranks))

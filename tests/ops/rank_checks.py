@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dhelix.arguments import parse_args
-from dhelix.memtrace import peak_allocated_bytes
+from dhelix.memtrace import measure_peak
 from dhelix.ops.runner import LayerStack
 from megatron_patches.model_provider import layer_spec, transformer_config_from_args
 
@@ -226,34 +226,143 @@ def ddp_check(variant, tp: int, sp: bool) -> dict:
             "grad_cleared": grads_cleared, "buckets": len(ddp.bucket_groups)}
 
 
-def memory_check(tp: int, sp: bool, repeats: int = 2) -> dict:
+def _global_buffer():
+    return parallel_state.get_global_memory_buffer().buffer
+
+
+def memory_check(tp: int, sp: bool, repeats: int = 5) -> dict:
     """Peak live tensor bytes of forward+backward of the tiny preset's layer stack: Megatron
-    autograd vs programs (dhelix.memtrace). Both paths get the same pre-made input and
-    output gradient; the smaller of `repeats` readings per path is kept."""
+    autograd vs programs, measured with `dhelix.memtrace` (compute-thread reading; the
+    all-threads reading, which includes gloo's staging buffers, is reported too).
+
+    Megatron's global memory buffer is persistent, so a peak reading does not show it: each
+    path starts with an empty buffer, runs once to warm up, and the bytes its buffer then
+    holds are reported and added to its total (Megatron uses it for the core-attention
+    scratch and, with SP, for every all-gather; the programs only for the attention
+    scratch). Both paths get the same pre-made input and output gradient; the smallest of
+    `repeats` readings is kept (gloo's worker threads free buffers at times that vary)."""
     variant = COVERING_VARIANTS[0]
     args = variant_args(variant, tp, sp, preset=True)
     _, layers, rotary = build_layers(args)
     x, dy = rank_inputs(args)
     stack = LayerStack(list(layers), args.seq_length, args.micro_batch_size,
                        rope=rotary is not None)
-    readings = {"megatron": [], "programs": []}
-    for _ in range(repeats):
-        for label, run in (("megatron", lambda: megatron_path(layers, x, dy, rotary)),
-                           ("programs", lambda: program_path(stack, x, dy, rotary))):
+    paths = {"megatron": lambda: megatron_path(layers, x, dy, rotary),
+             "programs": lambda: program_path(stack, x, dy, rotary)}
+    row = {"tp": tp, "sp": sp, "layers": args.num_layers}
+    for label, run in paths.items():
+        _global_buffer().clear()
+        clear_grads(layers)
+        run()
+        readings = []
+        for _ in range(repeats):
             clear_grads(layers)
-            _, peak = peak_allocated_bytes(run)
-            readings[label].append(peak)
-    megatron, programs = min(readings["megatron"]), min(readings["programs"])
-    return {"tp": tp, "sp": sp, "layers": args.num_layers, "megatron_bytes": megatron,
-            "program_bytes": programs, "ratio": programs / megatron}
+            readings.append(measure_peak(run)[1])
+        persistent = sum(t.numel() * t.element_size() for t in _global_buffer().values())
+        row[f"{label}_peak"] = min(r.compute_peak_bytes for r in readings)
+        row[f"{label}_all_threads_peak"] = min(r.peak_bytes for r in readings)
+        row[f"{label}_persistent"] = persistent
+        row[f"{label}_bytes"] = row[f"{label}_peak"] + persistent
+    row["ratio"] = row["programs_bytes"] / row["megatron_bytes"]
+    row["peak_ratio"] = row["programs_peak"] / row["megatron_peak"]
+    row["all_threads_peak_ratio"] = (row["programs_all_threads_peak"]
+                                     / row["megatron_all_threads_peak"])
+    return row
 
 
-def run_checks(ctx, tp: int, sp_options, variants, ddp_variants=(), memory=()) -> dict:
-    """One launch: parity of every variant for each SP setting, DDP checks, memory checks.
-    Returns (on every rank) this rank's rows."""
+def lifetime_check(tp: int, sp: bool) -> dict:
+    """Drive one layer op by op and record what the execution holds: after the forward
+    exactly the saved activations; each saved value gone right after its last backward
+    reader; collectives pending until read; nothing left at the end; an op run before its
+    dependencies refused."""
+    from dhelix.ops.runner import LayerExecution
+
+    args = variant_args(COVERING_VARIANTS[0], tp, sp, num_layers=1)
+    _, layers, rotary = build_layers(args)
+    x, dy = rank_inputs(args)
+    bound = LayerStack(list(layers), args.seq_length, args.micro_batch_size, rope=False).bound[0]
+    programs = bound.programs
+    execution = LayerExecution(bound)
+    report = {"pending_after_comm": [], "released_late": [], "refused": None}
+    execution.begin_forward(x.clone())
+    for op in programs.forward.ops:
+        execution.run(op.id)
+        if op.kind == "comm":
+            report["pending_after_comm"].append(execution.pending_values() == list(op.outputs))
+    execution.end_forward()
+    report["live_after_forward"] = execution.live_values()
+    report["saved"] = sorted(programs.saved)
+    execution.begin_backward(dy)
+    first = programs.backward.ops[-1]
+    try:
+        execution.run(first.id)
+    except RuntimeError as exc:
+        report["refused"] = str(exc)
+    for op in programs.backward.ops:
+        execution.run(op.id)
+        done = set(programs.backward.ids[: programs.backward.ids.index(op.id) + 1])
+        for name in execution.live_values():
+            if name in programs.saved and programs.consumers[name] <= done | set(programs.forward.ids):
+                report["released_late"].append((op.id, name))
+    execution.end_backward()
+    report["live_after_backward"] = execution.live_values()
+    return report
+
+
+def refusal_check() -> dict:
+    """What binding and execution refuse, with their messages: a Transformer Engine module,
+    a norm fused into the next linear (IdentityOp), a non-layer, and inputs that do not
+    match the layer's description."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from dhelix.ops.binding import LayerBinding
+    from dhelix.ops.describe import UnsupportedLayerError
+
+    class TELayerNormColumnParallelLinear(torch.nn.Module):
+        """Stand-in with the class name of TE's fused LayerNorm+QKV linear."""
+
+    args = variant_args(COVERING_VARIANTS[0], 1, False, num_layers=1)
+    _, layers, _ = build_layers(args)
+    layer = layers[0]
+    messages = {}
+
+    def attempt(key, fn, errors=(UnsupportedLayerError,)):
+        try:
+            fn()
+            messages[key] = None
+        except errors as exc:
+            messages[key] = f"{type(exc).__name__}: {exc}"
+
+    for key, attr, owner, stand_in in (
+        ("te", "linear_qkv", layer.self_attention, TELayerNormColumnParallelLinear()),
+        ("fused_norm", "input_layernorm", layer, IdentityOp()),
+    ):
+        original = getattr(owner, attr)
+        setattr(owner, attr, stand_in)
+        attempt(key, lambda: LayerBinding(layer))
+        setattr(owner, attr, original)
+    attempt("not_a_layer", lambda: LayerBinding(torch.nn.Linear(2, 2)))
+    bound = LayerStack([layer], args.seq_length, args.micro_batch_size, rope=False).bound[0]
+    x, _ = rank_inputs(args)
+    runtime = (ValueError, RuntimeError)
+    attempt("needs_grad_input",
+            lambda: bound.new_execution().begin_forward(x.clone().requires_grad_()), runtime)
+    attempt("wrong_shape", lambda: bound.new_execution().begin_forward(x[:-1].clone()), runtime)
+    attempt("rope_mismatch", lambda: bound.new_execution().begin_forward(
+        x.clone(), rotary_pos_emb=torch.zeros(1)), runtime)
+    return messages
+
+
+def run_checks(ctx, tp: int, sp_options, variants, ddp_variants=(), memory=(),
+               lifetime=(), refusals: bool = False) -> dict:
+    """One launch: parity of every variant for each SP setting, DDP checks, memory checks,
+    lifetime checks. Returns (on every rank) this rank's rows."""
     torch.set_num_threads(1)
     variants = [tuple(v) for v in variants]
-    result = {"rank": dist.get_rank(), "parity": [], "ddp": [], "memory": []}
+    result = {"rank": dist.get_rank(), "parity": [], "ddp": [], "memory": [], "lifetime": [],
+              "refusals": refusal_check() if refusals else None}
+    for sp in lifetime:
+        result["lifetime"].append(lifetime_check(tp, sp))
     for sp in sp_options:
         for variant in variants:
             result["parity"].append(check_variant(variant, tp, sp))
