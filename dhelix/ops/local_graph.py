@@ -147,14 +147,15 @@ class _Deliver(torch.autograd.Function):
     accumulators, exactly as a Megatron backward function returning them would."""
 
     @staticmethod
-    def forward(ctx, compute, *params):
-        ctx.compute = compute
+    def forward(ctx, compute, mask, *params):
+        ctx.compute, ctx.mask = compute, mask
         return params[0].new_empty(0)
 
     @staticmethod
     def backward(ctx, _unused):
         compute, ctx.compute = ctx.compute, None
-        return (None, *compute())
+        grads = compute()
+        return (None, None, *[g for g, wanted in zip(grads, ctx.mask) if wanted])
 
 
 def deliver_param_grads(params: Sequence[torch.nn.Parameter],
@@ -166,9 +167,15 @@ def deliver_param_grads(params: Sequence[torch.nn.Parameter],
     `param.grad` (which takes the tensor itself when `param.grad` is None - `compute` must
     not keep references to what it returns), and the accumulator's hooks run: under Megatron
     DDP the gradient lands in `param.main_grad`, `param.grad` is cleared, and grad-sync
-    bookkeeping happens. Parameters that do not require grad must not be passed.
+    bookkeeping happens. Gradients of parameters that do not require grad are dropped;
+    `compute` runs exactly once in every case (it may have side effects).
     """
     params = list(params)
+    mask = [p.requires_grad for p in params]
+    if not any(mask):
+        compute()
+        return
+    wanted = [p for p, keep in zip(params, mask) if keep]
     with torch.enable_grad():
-        carrier = _Deliver.apply(compute, *params)
+        carrier = _Deliver.apply(compute, mask, *wanted)
     torch.autograd.backward(carrier, carrier.new_empty(0))

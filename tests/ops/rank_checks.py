@@ -309,6 +309,11 @@ def lifetime_check(tp: int, sp: bool) -> dict:
     return report
 
 
+HOOKED_MODULES = ("input_layernorm", "pre_mlp_layernorm", "self_attention.linear_qkv",
+                  "self_attention.linear_proj", "self_attention.core_attention",
+                  "mlp.linear_fc1", "mlp.linear_fc2")
+
+
 def refusal_check() -> dict:
     """What binding and execution refuse, with their messages: a Transformer Engine module,
     a norm fused into the next linear (IdentityOp), a non-layer, and inputs that do not
@@ -350,6 +355,20 @@ def refusal_check() -> dict:
     attempt("wrong_shape", lambda: bound.new_execution().begin_forward(x[:-1].clone()), runtime)
     attempt("rope_mismatch", lambda: bound.new_execution().begin_forward(
         x.clone(), rotary_pos_emb=torch.zeros(1)), runtime)
+
+    # Forward pre-hooks (Megatron DDP waits for parameter all-gathers in them) fire once per
+    # module per forward, for the linears the programs call directly too.
+    fired = {}
+    handles = [module.register_forward_pre_hook(
+        lambda mod, _args, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
+        for name, module in layer.named_modules() if name in HOOKED_MODULES]
+    execution = bound.new_execution()
+    from dhelix.ops.runner import run_forward
+
+    run_forward(execution, x.clone())
+    for handle in handles:
+        handle.remove()
+    messages["pre_hooks_fired"] = fired
     return messages
 
 
@@ -371,3 +390,25 @@ def run_checks(ctx, tp: int, sp_options, variants, ddp_variants=(), memory=(),
     for sp in memory:
         result["memory"].append(memory_check(tp, sp))
     return result
+
+
+# One launch per world size (TP = world size, DP = 1), shared by tests/ops/test_parity.py
+# and scripts/ops_report.py.
+LAUNCHES = {
+    1: dict(sp_options=[False], variants=ALL_VARIANTS,
+            ddp_variants=[(COVERING_VARIANTS[0], False)], memory=[False], lifetime=[False],
+            refusals=True),
+    2: dict(sp_options=[False, True], variants=ALL_VARIANTS,
+            ddp_variants=[(COVERING_VARIANTS[1], True), (COVERING_VARIANTS[0], False)],
+            memory=[True, False], lifetime=[True, False]),
+    4: dict(sp_options=[False, True], variants=ALL_VARIANTS,
+            ddp_variants=[(COVERING_VARIANTS[1], True)], memory=[True], lifetime=[True]),
+}
+
+
+def launch(world: int) -> list:
+    """Run the checks of `LAUNCHES[world]` on `world` gloo ranks; per-rank results."""
+    from dhelix.harness import run_megatron_ranks
+
+    return run_megatron_ranks(run_checks, world, world, tp=world, timeout_s=300,
+                              env={"OMP_NUM_THREADS": "1"}, **LAUNCHES[world])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-from dhelix.harness import run_megatron_ranks
 from tests.ops import rank_checks as rc
 
 # "Equal to fp32 rounding". The kernels reproduce Megatron's operations one for one, so
@@ -20,34 +19,17 @@ from tests.ops import rank_checks as rc
 # kernels may pick different reduction orders for identical calls.
 TOLERANCE = 1e-5
 MEMORY_BOUND = 1.05
-ENV = {"OMP_NUM_THREADS": "1"}
-
-LAUNCHES = {
-    1: dict(sp_options=[False], variants=rc.ALL_VARIANTS,
-            ddp_variants=[(rc.COVERING_VARIANTS[0], False)], memory=[False], lifetime=[False],
-            refusals=True),
-    2: dict(sp_options=[False, True], variants=rc.ALL_VARIANTS,
-            ddp_variants=[(rc.COVERING_VARIANTS[1], True), (rc.COVERING_VARIANTS[0], False)],
-            memory=[True, False], lifetime=[True, False]),
-    4: dict(sp_options=[False, True], variants=rc.ALL_VARIANTS,
-            ddp_variants=[(rc.COVERING_VARIANTS[1], True)], memory=[True], lifetime=[True]),
-}
 
 
-def launch(world: int) -> list:
-    return run_megatron_ranks(rc.run_checks, world, world, tp=world, env=ENV, timeout_s=300,
-                              **LAUNCHES[world])
-
-
-@pytest.fixture(scope="module", params=sorted(LAUNCHES), ids=lambda w: f"tp{w}")
+@pytest.fixture(scope="module", params=sorted(rc.LAUNCHES), ids=lambda w: f"tp{w}")
 def results(request):
-    return request.param, launch(request.param)
+    return request.param, rc.launch(request.param)
 
 
 def test_every_variant_matches_megatron(results):
     world, per_rank = results
     rows = [row for rank in per_rank for row in rank["parity"]]
-    expected = len(LAUNCHES[world]["variants"]) * len(LAUNCHES[world]["sp_options"]) * world
+    expected = len(rc.LAUNCHES[world]["variants"]) * len(rc.LAUNCHES[world]["sp_options"]) * world
     assert len(rows) == expected
     for row in rows:
         diffs = {k: v for k, v in row.items() if k.split("_")[0] in ("out", "dx", "grad")}
@@ -108,3 +90,4 @@ def test_unsupported_layers_and_inputs_are_refused(results):
     assert "plain tensor" in messages["needs_grad_input"]
     assert "has shape" in messages["wrong_shape"]
     assert "without RoPE" in messages["rope_mismatch"]
+    assert messages["pre_hooks_fired"] == {name: 1 for name in rc.HOOKED_MODULES}
