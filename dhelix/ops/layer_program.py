@@ -17,6 +17,8 @@ Value names (`[seq, batch, width]` tensors unless noted): `x` layer input, `y` o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dhelix.ops.describe import LayerDescription
 from dhelix.ops.program import LayerPrograms, Program, ValueInfo
 from dhelix.ops.registry import Operator, cost_key
@@ -132,92 +134,120 @@ def _linear_backward(b: _Builder, name: str, module: str, saved_input: str, grad
          module=module, bias_grad=bias_in_gemm)
 
 
+@dataclass(frozen=True)
+class _Half:
+    """One residual half of the layer: norm -> column-parallel linear -> region ->
+    row-parallel linear -> bias-dropout-add with the half's input as residual."""
+
+    input: str              # residual stream in ("x" / "h1")
+    output: str             # residual stream out ("h1" / "y")
+    norm: str               # op id and module path of the norm
+    norm_module: str
+    col: str                # column-parallel linear: op id, module, output width, own bias
+    col_module: str
+    col_width: int
+    col_bias: bool
+    region: str             # the traced region between the linears
+    region_kernel: str
+    region_class: str
+    region_module: str
+    region_key: str         # cost-key kernel name; region_dims its dims
+    region_dims: dict
+    region_width: int
+    row: str                # row-parallel linear (bias added by the bda)
+    row_module: str
+    bda: str
+    bda_module: str
+    aux_inputs: tuple = ()  # extra region inputs (mask, rotary table)
+
+
+def _forward_half(b: _Builder, half: _Half) -> None:
+    d = b.desc
+    s, sl, bsz, h = d.seq_length, d.local_seq, d.micro_batch_size, d.hidden_size
+    norm_kernel = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm"}[d.normalization]
+    b.tensor(f"{half.norm}.out", sl, h)
+    b.op("fwd", half.norm, "norm_fwd", COMP, "norm", [half.input],
+         [f"{half.norm}.out", b.graph(f"{half.norm}.graph")],
+         b.key(f"{norm_kernel}.fwd", s=sl, b=bsz, h=h), module=half.norm_module)
+    _linear_block(b, half.col, half.col_module, f"{half.norm}.out", half.col_width,
+                  column=True, bias_in_gemm=half.col_bias, in_width=h)
+    b.tensor(f"{half.region}.out", s, half.region_width)
+    b.op("fwd", half.region, half.region_kernel, COMP, half.region_class,
+         [f"{half.col}.out", *half.aux_inputs],
+         [f"{half.region}.out", b.graph(f"{half.region}.graph")],
+         b.key(f"{half.region_key}.fwd", **half.region_dims), module=half.region_module)
+    _linear_block(b, half.row, half.row_module, f"{half.region}.out", h, column=False,
+                  bias_in_gemm=False, in_width=half.region_width)
+    b.tensor(half.output, sl, h)
+    b.op("fwd", half.bda, "bda_fwd", COMP, "elementwise", [f"{half.row}.out", half.input],
+         [half.output, b.graph(f"{half.bda}.graph")],
+         b.key("bias_dropout_add.fwd", s=sl, b=bsz, h=h, bias=d.add_bias_linear),
+         module=half.bda_module, bias_module=half.row_module)
+
+
+def _backward_half(b: _Builder, half: _Half) -> None:
+    """Backward of one half, from `d.<output>` to `d.<input>` (the residual gradient
+    `d.<input>.res` joins the norm's input gradient inside the norm's backward)."""
+    d = b.desc
+    s, sl, bsz, h = d.seq_length, d.local_seq, d.micro_batch_size, d.hidden_size
+    norm_kernel = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm"}[d.normalization]
+    row_grad, residual_grad = f"d.{half.row}.out", f"d.{half.input}.res"
+    b.like(row_grad, f"{half.row}.out")
+    b.like(residual_grad, half.input)
+    b.op("bwd", f"{half.bda}.bwd", "graph_bwd", COMP, "elementwise",
+         [f"{half.bda}.graph", f"d.{half.output}"], [row_grad, residual_grad],
+         b.key("bias_dropout_add.bwd", s=sl, b=bsz, h=h, bias=d.add_bias_linear),
+         grads_of=("x", "residual"))
+    b.tensor(f"d.{half.region}.out", s, half.region_width)
+    _linear_backward(b, half.row, half.row_module, f"{half.region}.out", row_grad,
+                     f"d.{half.region}.out", h, half.region_width, column=False,
+                     bias_in_gemm=False)
+    b.tensor(f"d.{half.col}.out", s, half.col_width)
+    b.op("bwd", f"{half.region}.bwd", "graph_bwd", COMP, half.region_class,
+         [f"{half.region}.graph", f"d.{half.region}.out"], [f"d.{half.col}.out"],
+         b.key(f"{half.region_key}.bwd", **half.region_dims), grads_of=("x",))
+    b.tensor(f"d.{half.norm}.out", sl, h)
+    _linear_backward(b, half.col, half.col_module, f"{half.norm}.out", f"d.{half.col}.out",
+                     f"d.{half.norm}.out", half.col_width, h, column=True,
+                     bias_in_gemm=half.col_bias)
+    b.tensor(f"d.{half.input}", sl, h)
+    b.op("bwd", f"{half.norm}.bwd", "graph_bwd", COMP, "norm",
+         [f"{half.norm}.graph", f"d.{half.norm}.out", residual_grad], [f"d.{half.input}"],
+         b.key(f"{norm_kernel}.bwd", s=sl, b=bsz, h=h), grads_of=("x",))
+
+
 def build_layer_programs(desc: LayerDescription) -> LayerPrograms:
     """The forward and backward programs of the layer `desc` describes."""
     b = _Builder(desc)
     d = desc
-    s, sl, bsz, h = d.seq_length, d.local_seq, d.micro_batch_size, d.hidden_size
-    norm = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm"}[d.normalization]
-    act = d.activation_kernel
-    bias = d.add_bias_linear
-    attn_dims = dict(s=s, b=bsz, heads=d.heads_per_rank, groups=d.groups_per_rank,
-                     d=d.kv_channels, rope=d.rope, causal=d.causal)
-
-    # ------------------------------------------------------------ forward
-    x = b.tensor("x", sl, h)
-    mask, rope = b.aux("attention_mask"), b.aux("rotary_pos_emb")
-
-    b.tensor("ln1.out", sl, h)
-    b.op("fwd", "ln1", "norm_fwd", COMP, "norm", [x], ["ln1.out", b.graph("ln1.graph")],
-         b.key(f"{norm}.fwd", s=sl, b=bsz, h=h), module="input_layernorm")
-    _linear_block(b, "qkv", "self_attention.linear_qkv", "ln1.out",
-                              d.qkv_out_per_rank, column=True, bias_in_gemm=d.add_qkv_bias,
-                              in_width=h)
-    b.tensor("attn.out", s, d.proj_in_per_rank)
-    b.op("fwd", "attn", "attention_fwd", COMP, "attention", ["qkv.out", mask, rope],
-         ["attn.out", b.graph("attn.graph")], b.key("attention.fwd", **attn_dims),
-         module="self_attention")
-    _linear_block(b, "proj", "self_attention.linear_proj", "attn.out", h, column=False,
-                  bias_in_gemm=False, in_width=d.proj_in_per_rank)
-    b.tensor("h1", sl, h)
-    b.op("fwd", "bda1", "bda_fwd", COMP, "elementwise", ["proj.out", x],
-         ["h1", b.graph("bda1.graph")], b.key("bias_dropout_add.fwd", s=sl, b=bsz, h=h, bias=bias),
-         module="self_attn_bda", bias_module="self_attention.linear_proj")
-
-    b.tensor("ln2.out", sl, h)
-    b.op("fwd", "ln2", "norm_fwd", COMP, "norm", ["h1"], ["ln2.out", b.graph("ln2.graph")],
-         b.key(f"{norm}.fwd", s=sl, b=bsz, h=h), module="pre_mlp_layernorm")
-    _linear_block(b, "fc1", "mlp.linear_fc1", "ln2.out", d.fc1_out_per_rank,
-                              column=True, bias_in_gemm=False, in_width=h)
-    b.tensor("act.out", s, d.ffn_per_rank)
-    b.op("fwd", "act", "activation_fwd", COMP, "elementwise", ["fc1.out"],
-         ["act.out", b.graph("act.graph")],
-         b.key(f"{act}.fwd", s=s, b=bsz, f=d.fc1_out_per_rank, bias=bias), module="mlp")
-    _linear_block(b, "fc2", "mlp.linear_fc2", "act.out", h, column=False, bias_in_gemm=False,
-                  in_width=d.ffn_per_rank)
-    b.tensor("y", sl, h)
-    b.op("fwd", "bda2", "bda_fwd", COMP, "elementwise", ["fc2.out", "h1"],
-         ["y", b.graph("bda2.graph")], b.key("bias_dropout_add.fwd", s=sl, b=bsz, h=h, bias=bias),
-         module="mlp_bda", bias_module="mlp.linear_fc2")
-
-    # ----------------------------------------------------------- backward
+    b.tensor("x", d.local_seq, d.hidden_size)
+    attention = _Half(
+        input="x", output="h1", norm="ln1", norm_module="input_layernorm",
+        col="qkv", col_module="self_attention.linear_qkv", col_width=d.qkv_out_per_rank,
+        col_bias=d.add_qkv_bias, region="attn", region_kernel="attention_fwd",
+        region_class="attention", region_module="self_attention", region_key="attention",
+        region_dims=dict(s=d.seq_length, b=d.micro_batch_size, heads=d.heads_per_rank,
+                         groups=d.groups_per_rank, d=d.kv_channels, rope=d.rope,
+                         causal=d.causal),
+        region_width=d.proj_in_per_rank, row="proj", row_module="self_attention.linear_proj",
+        bda="bda1", bda_module="self_attn_bda",
+        aux_inputs=(b.aux("attention_mask"), b.aux("rotary_pos_emb")),
+    )
+    mlp = _Half(
+        input="h1", output="y", norm="ln2", norm_module="pre_mlp_layernorm",
+        col="fc1", col_module="mlp.linear_fc1", col_width=d.fc1_out_per_rank, col_bias=False,
+        region="act", region_kernel="activation_fwd", region_class="elementwise",
+        region_module="mlp", region_key=d.activation_kernel,
+        region_dims=dict(s=d.seq_length, b=d.micro_batch_size, f=d.fc1_out_per_rank,
+                         bias=d.add_bias_linear),
+        region_width=d.ffn_per_rank, row="fc2", row_module="mlp.linear_fc2",
+        bda="bda2", bda_module="mlp_bda",
+    )
+    _forward_half(b, attention)
+    _forward_half(b, mlp)
     b.like("d.y", "y")
-    b.like("d.fc2.out", "fc2.out")
-    b.like("d.h1.res", "h1")
-    b.op("bwd", "bda2.bwd", "graph_bwd", COMP, "elementwise", ["bda2.graph", "d.y"],
-         ["d.fc2.out", "d.h1.res"], b.key("bias_dropout_add.bwd", s=sl, b=bsz, h=h, bias=bias),
-         grads_of=("x", "residual"))
-    b.tensor("d.act.out", s, d.ffn_per_rank)
-    _linear_backward(b, "fc2", "mlp.linear_fc2", "act.out", "d.fc2.out", "d.act.out", h,
-                     d.ffn_per_rank, column=False, bias_in_gemm=False)
-    b.tensor("d.fc1.out", s, d.fc1_out_per_rank)
-    b.op("bwd", "act.bwd", "graph_bwd", COMP, "elementwise", ["act.graph", "d.act.out"],
-         ["d.fc1.out"], b.key(f"{act}.bwd", s=s, b=bsz, f=d.fc1_out_per_rank, bias=bias),
-         grads_of=("x",))
-    b.tensor("d.ln2.out", sl, h)
-    _linear_backward(b, "fc1", "mlp.linear_fc1", "ln2.out", "d.fc1.out", "d.ln2.out",
-                     d.fc1_out_per_rank, h, column=True, bias_in_gemm=False)
-    b.tensor("d.h1", sl, h)
-    b.op("bwd", "ln2.bwd", "graph_bwd", COMP, "norm", ["ln2.graph", "d.ln2.out", "d.h1.res"],
-         ["d.h1"], b.key(f"{norm}.bwd", s=sl, b=bsz, h=h), grads_of=("x",))
-
-    b.like("d.proj.out", "proj.out")
-    b.like("d.x.res", "x")
-    b.op("bwd", "bda1.bwd", "graph_bwd", COMP, "elementwise", ["bda1.graph", "d.h1"],
-         ["d.proj.out", "d.x.res"], b.key("bias_dropout_add.bwd", s=sl, b=bsz, h=h, bias=bias),
-         grads_of=("x", "residual"))
-    b.tensor("d.attn.out", s, d.proj_in_per_rank)
-    _linear_backward(b, "proj", "self_attention.linear_proj", "attn.out", "d.proj.out",
-                     "d.attn.out", h, d.proj_in_per_rank, column=False, bias_in_gemm=False)
-    b.tensor("d.qkv.out", s, d.qkv_out_per_rank)
-    b.op("bwd", "attn.bwd", "graph_bwd", COMP, "attention", ["attn.graph", "d.attn.out"],
-         ["d.qkv.out"], b.key("attention.bwd", **attn_dims), grads_of=("x",))
-    b.tensor("d.ln1.out", sl, h)
-    _linear_backward(b, "qkv", "self_attention.linear_qkv", "ln1.out", "d.qkv.out", "d.ln1.out",
-                     d.qkv_out_per_rank, h, column=True, bias_in_gemm=d.add_qkv_bias)
-    b.tensor("d.x", sl, h)
-    b.op("bwd", "ln1.bwd", "graph_bwd", COMP, "norm", ["ln1.graph", "d.ln1.out", "d.x.res"],
-         ["d.x"], b.key(f"{norm}.bwd", s=sl, b=bsz, h=h), grads_of=("x",))
+    _backward_half(b, mlp)
+    _backward_half(b, attention)
 
     forward = Program("fwd", b.fwd, inputs=("x", "attention_mask", "rotary_pos_emb"),
                       outputs=("y",))

@@ -20,7 +20,7 @@ sync - fires exactly as in Megatron's own backward.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
