@@ -1,10 +1,12 @@
 """`dhelix ops`: the operator table of one transformer layer for a model/parallel config.
 
-    dhelix ops --preset tiny --tensor-model-parallel-size 4 --sequence-parallel \
-        --ranks-per-node 2 [--rank 0] [--direction fwd|bwd|both] [--json] [--export-dag DIR]
+    dhelix ops --preset tiny --tensor-model-parallel-size 4 --sequence-parallel
+               --ranks-per-node 2 [--rank 0] [--direction fwd|bwd|both] [--json]
+               [--export-dag DIR]
 
-Model and parallel arguments are Megatron's (as for pretraining). Nothing is launched: the
-programs come from the layer description alone, exactly as the runtime builds them.
+Model and parallel arguments are Megatron's, as for pretraining (all of them are
+accepted). Nothing is launched: the programs come from the layer description alone,
+exactly as the runtime builds them.
 `--export-dag DIR` writes DIR/fwd.json and DIR/bwd.json in the shared `dhelix-dag` format.
 """
 

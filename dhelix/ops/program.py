@@ -51,6 +51,8 @@ class Program:
         producers: dict[str, str] = {}
         linked = []
         for op in ops:
+            if len(set(op.inputs)) != len(op.inputs):
+                raise ValueError(f"{direction} op {op.id!r} reads a value twice: {op.inputs}")
             deps = []
             for value in op.inputs:
                 producer = producers.get(value)
@@ -143,6 +145,12 @@ class LayerPrograms:
             if value not in forward.producers and not value.startswith(GRAD_PREFIX):
                 raise ValueError(f"backward input {value!r} is neither a gradient "
                                  f"('{GRAD_PREFIX}...') nor produced by the forward")
+        outputs = {*forward.outputs, *backward.outputs}
+        for program in (forward, backward):
+            for value in program.producers:
+                if not consumers[value] and value not in outputs:
+                    raise ValueError(f"{value!r} is produced but never read: the execution "
+                                     "would hold it forever")
         self.consumers = {name: frozenset(ops) for name, ops in consumers.items()}
         self.saved = tuple(v for v in backward.inputs if v in forward.producers)
 

@@ -196,3 +196,38 @@ def test_config_checks_name_moe_and_context_parallelism(monkeypatch):
     cp = replace(config, context_parallel_size=2)
     with pytest.raises(UnsupportedLayerError, match="context parallelism"):
         check_supported_config(cp)
+
+
+def _op(op_id, inputs, outputs, kernel="linear_fwd", **attrs):
+    from dhelix.ops.registry import Operator
+
+    return Operator(id=op_id, kernel=kernel, kind="comp", op_class="gemm", channel="compute",
+                    inputs=inputs, outputs=outputs, attrs=attrs)
+
+
+def test_program_validation_refuses_broken_data_flow():
+    from dhelix.ops.program import LayerPrograms, Program, ValueInfo
+
+    values = {n: ValueInfo(n, "tensor", (1, 1, 1)) for n in ("x", "a", "b", "y", "d.y", "d.x")}
+    with pytest.raises(ValueError, match="no earlier op produces"):
+        Program("fwd", [_op("f", ["a"], ["y"])], inputs=["x"], outputs=["y"])
+    with pytest.raises(ValueError, match="produced twice"):
+        Program("fwd", [_op("f", ["x"], ["a"]), _op("g", ["x"], ["a"])], ["x"], ["a"])
+    with pytest.raises(ValueError, match="reads a value twice"):
+        Program("fwd", [_op("f", ["x", "x"], ["y"])], ["x"], ["y"])
+    with pytest.raises(ValueError, match="never produces"):
+        Program("fwd", [_op("f", ["x"], ["a"])], ["x"], ["y"])
+    fwd = Program("fwd", [_op("f", ["x"], ["a"]), _op("g", ["a"], ["b"]),
+                          _op("h", ["b"], ["y"])], ["x"], ["y"])
+    bwd = Program("bwd", [_op("fb", ["d.y", "a"], ["d.x"])], ["d.y", "a"], ["d.x"])
+    with pytest.raises(ValueError, match="never read"):
+        LayerPrograms(None, Program("fwd", [_op("f", ["x"], ["a"]), _op("g", ["x"], ["y"])],
+                                    ["x"], ["y"]),
+                      Program("bwd", [_op("fb", ["d.y"], ["d.x"])], ["d.y"], ["d.x"]), values)
+    inplace = Program("fwd", [_op("f", ["x"], ["a"]), _op("g", ["a"], ["b"], inplace=True),
+                              _op("h", ["b"], ["y"])], ["x"], ["y"])
+    with pytest.raises(ValueError, match="in place"):
+        LayerPrograms(None, inplace, bwd, values)
+    programs = LayerPrograms(None, fwd, bwd, values)
+    assert programs.saved == ("a",)
+    assert programs.consumers["a"] == {"g", "fb"}
