@@ -127,8 +127,10 @@ def load_preset(name_or_path: str) -> dict:
     return {k.replace("-", "_"): v for k, v in raw.items() if not k.startswith("_")}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """Parse, apply the preset and derived defaults, validate. Raises ArgumentError."""
+def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse, apply the preset and derived defaults, validate. Raises ArgumentError.
+
+    Sizes are validated against `world_size`, by default $WORLD_SIZE (torchrun's) or 1."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -145,7 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             if getattr(ns, key) == getattr(defaults, key):
                 setattr(ns, key, value)
     fill_derived_args(ns)
-    validate_args(ns, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_args(ns, world_size=world_size)
     return ns
 
 

@@ -1,7 +1,9 @@
 """The `dhelix` console command.
 
 Each subcommand lives in its own module exposing `register(subparsers)`, which adds an
-argparse sub-parser whose `func(args) -> int` runs it. Add a subcommand by appending its
+argparse sub-parser whose `func(args) -> int` runs it. A sub-parser that sets
+`pass_through=True` gets the arguments it does not define in `args.extra_args` (used to
+accept Megatron's model/parallel arguments unchanged). Add a subcommand by appending its
 module to `SUBCOMMAND_MODULES`; imports happen only when the CLI starts, and heavy imports
 (torch, megatron) belong inside the subcommand's `func`, so `dhelix --help` stays fast.
 """
@@ -14,6 +16,7 @@ import sys
 
 SUBCOMMAND_MODULES = [
     "dhelix.env_report",
+    "dhelix.ops.cli",
     "planner.cli",
 ]
 
@@ -32,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # A subcommand that takes Megatron's own arguments (set_defaults(pass_through=True))
+    # receives whatever it does not define itself in `args.extra_args`.
+    if extra and not getattr(args, "pass_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -1,0 +1,140 @@
+"""Binding of operator programs to a live megatron-core TransformerLayer.
+
+`LayerBinding` checks that a layer is one the programs implement (dense GPT/Llama layer of
+the local spec: torch norms, ColumnParallelLinear/RowParallelLinear, DotProductAttention)
+and resolves the module paths named by operators to that layer's own modules. Nothing is
+copied: the kernels use the layer's parameter objects, so checkpoints and the optimizer see
+the same tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dhelix.ops.describe import LayerDescription, UnsupportedLayerError
+from dhelix.topology import NodeTopology
+from megatron_patches.layer_regions import uses_transformer_engine
+
+TE_UNSUPPORTED = (
+    "the Transformer Engine layer spec is not supported by dhelix operator programs yet "
+    "(its fused LayerNorm+linear and TE attention hide the GEMM/communication boundaries the "
+    "programs need); build the model with megatron-core's local spec "
+    "(megatron_patches.model_provider.layer_spec without Transformer Engine installed)"
+)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UnsupportedLayerError(message)
+
+
+def check_supported_layer(layer) -> None:
+    """Raise UnsupportedLayerError unless `layer` is a dense local-spec TransformerLayer."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    _require(isinstance(layer, TransformerLayer),
+             f"expected a megatron-core TransformerLayer, got {type(layer).__name__}")
+    for module in layer.modules():
+        if uses_transformer_engine(module):
+            raise UnsupportedLayerError(f"{TE_UNSUPPORTED} (found {type(module).__name__})")
+    _require(not getattr(layer, "is_moe_layer", False),
+             "MoE layers are not supported yet (router/permute/all-to-all/grouped GEMM "
+             "operators are planned)")
+    attn = layer.self_attention
+    _require(isinstance(attn, SelfAttention),
+             f"self_attention must be SelfAttention, got {type(attn).__name__}")
+    _require(isinstance(attn.linear_qkv, ColumnParallelLinear),
+             f"linear_qkv must be ColumnParallelLinear, got {type(attn.linear_qkv).__name__}")
+    _require(isinstance(attn.linear_proj, RowParallelLinear),
+             f"linear_proj must be RowParallelLinear, got {type(attn.linear_proj).__name__}")
+    _require(isinstance(attn.core_attention, DotProductAttention),
+             f"core_attention must be DotProductAttention, got "
+             f"{type(attn.core_attention).__name__}")
+    _require(isinstance(layer.cross_attention, IdentityOp)
+             and isinstance(layer.pre_cross_attn_layernorm, IdentityOp),
+             "cross-attention layers are not supported")
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        _require(not isinstance(getattr(layer, name), IdentityOp),
+                 f"{name} is an IdentityOp (a norm fused into the next linear, as in the "
+                 "Transformer Engine spec); the programs need the norm as its own module")
+    mlp = layer.mlp
+    _require(isinstance(mlp, MLP), f"mlp must be a dense MLP, got {type(mlp).__name__}")
+    _require(isinstance(mlp.linear_fc1, ColumnParallelLinear)
+             and isinstance(mlp.linear_fc2, RowParallelLinear),
+             "MLP linears must be ColumnParallelLinear (fc1) and RowParallelLinear (fc2)")
+    # The layouts the GEMM kernels reproduce (Megatron builds exactly these).
+    _require(not attn.linear_qkv.skip_bias_add and not attn.linear_qkv.gather_output,
+             "linear_qkv must add its own bias and keep its output sharded")
+    _require(mlp.linear_fc1.skip_bias_add and not mlp.linear_fc1.gather_output,
+             "linear_fc1 must skip its bias add and keep its output sharded")
+    for name, linear in (("linear_proj", attn.linear_proj), ("linear_fc2", mlp.linear_fc2)):
+        _require(linear.skip_bias_add and linear.input_is_parallel
+                 and not linear.explicit_expert_comm,
+                 f"{name} must skip its bias add and take a parallel input")
+    for name, linear in (("linear_qkv", attn.linear_qkv), ("linear_proj", attn.linear_proj),
+                         ("linear_fc1", mlp.linear_fc1), ("linear_fc2", mlp.linear_fc2)):
+        _require(linear.sequence_parallel == layer.config.sequence_parallel,
+                 f"{name}.sequence_parallel differs from the layer config")
+
+
+class LayerBinding:
+    """A checked TransformerLayer plus what the kernels need from it.
+
+    `module(path)` returns the layer's own submodule at a dotted path; `tp_group` is the
+    layer's tensor-parallel process group. The binding holds a reference to the layer and
+    nothing else (no tensors).
+    """
+
+    def __init__(self, layer):
+        check_supported_layer(layer)
+        self.layer = layer
+        self.config = layer.config
+        self.tp_group = layer.pg_collection.tp
+        self._modules: dict[str, torch.nn.Module] = {}
+
+    def module(self, path: str) -> torch.nn.Module:
+        found = self._modules.get(path)
+        if found is None:
+            found = self.layer.get_submodule(path) if path else self.layer
+            self._modules[path] = found
+        return found
+
+    def group(self, role: str):
+        if role != "tp":
+            raise KeyError(f"unknown process-group role {role!r}")
+        return self.tp_group
+
+    def describe(self, seq_length: int, micro_batch_size: int, *, rope: bool,
+                 topology: Optional[NodeTopology] = None) -> LayerDescription:
+        """The layer's description for this rank (its real TP group ranks), checked against
+        the actual parameter shapes."""
+        ranks = dist.get_process_group_ranks(self.tp_group) if dist.is_initialized() else [0]
+        desc = LayerDescription.from_config(
+            self.config, seq_length, micro_batch_size, rope=rope, tp_ranks=ranks,
+            topology=topology,
+        )
+        self._check_shapes(desc)
+        return desc
+
+    def _check_shapes(self, desc: LayerDescription) -> None:
+        expected = {
+            "self_attention.linear_qkv": (desc.qkv_out_per_rank, desc.hidden_size),
+            "self_attention.linear_proj": (desc.hidden_size, desc.proj_in_per_rank),
+            "mlp.linear_fc1": (desc.fc1_out_per_rank, desc.hidden_size),
+            "mlp.linear_fc2": (desc.hidden_size, desc.ffn_per_rank),
+        }
+        for path, shape in expected.items():
+            actual = tuple(self.module(path).weight.shape)
+            if actual != shape:
+                raise UnsupportedLayerError(
+                    f"{path}.weight has shape {actual}, but the layer description expects "
+                    f"{shape} ({desc.summary()})"
+                )

@@ -1,0 +1,118 @@
+"""`dhelix ops`: the operator table of one transformer layer for a model/parallel config.
+
+    dhelix ops --preset tiny --tensor-model-parallel-size 4 --sequence-parallel
+               --ranks-per-node 2 [--rank 0] [--direction fwd|bwd|both] [--json]
+               [--export-dag DIR]
+
+Model and parallel arguments are Megatron's, as for pretraining (all of them are
+accepted). Nothing is launched: the programs come from the layer description alone,
+exactly as the runtime builds them.
+`--export-dag DIR` writes DIR/fwd.json and DIR/bwd.json in the shared `dhelix-dag` format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "ops", help="print a transformer layer's forward/backward operator programs",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=True,
+    )
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="node size for the intra/inter channel decision (default: "
+                        "$DHELIX_RANKS_PER_NODE, else $LOCAL_WORLD_SIZE, else one node)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="world size to validate the arguments against (default: TP x PP)")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="the rank whose tensor-parallel group is shown (default 0)")
+    parser.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
+    parser.add_argument("--json", action="store_true", help="print the DAGs as JSON")
+    parser.add_argument("--export-dag", metavar="DIR", default=None,
+                        help="write DIR/fwd.json and DIR/bwd.json (dhelix-dag format)")
+    parser.set_defaults(func=run, pass_through=True)
+
+
+def _model_args(rest: list, world_size):
+    from dhelix.arguments import build_parser, parse_args
+
+    raw, _ = build_parser().parse_known_args(rest)
+    # Outside torchrun there is no $WORLD_SIZE: describe the smallest world the layout fits.
+    world = world_size or raw.tensor_model_parallel_size * raw.pipeline_model_parallel_size
+    return parse_args(rest, world_size=world)
+
+
+def format_table(program) -> str:
+    """The operators of one program as an aligned text table, in program order."""
+    rows = [("id", "kind", "channel", "class", "movable", "deps", "cost key")]
+    for op in program.ops:
+        rows.append((op.id, op.kind, op.channel, op.op_class, "yes" if op.movable else "",
+                     ",".join(op.deps) or "-", op.cost_key))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def saved_summary(programs) -> str:
+    """The activations the forward leaves for the backward, with their sizes."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(programs.description.dtype, 4)
+    parts, total = [], 0
+    for name in programs.saved:
+        info = programs.values[name]
+        if info.kind == "tensor":
+            size = itemsize
+            for dim in info.shape:
+                size *= dim
+            total += size
+            parts.append(f"{name} {'x'.join(map(str, info.shape))}")
+        else:
+            parts.append(f"{name} (autograd graph)")
+    return (f"saved for backward: {', '.join(parts)}; explicit tensors "
+            f"{total / 2**20:.2f} MiB (graphs hold the norm/attention/activation internals)")
+
+
+def run(args) -> int:
+    import warnings
+
+    # megatron-core warns at import about optional GPU packages; irrelevant to a table.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    from dhelix.arguments import ArgumentError
+    from dhelix.ops.describe import LayerDescription, UnsupportedLayerError
+    from dhelix.ops.layer_program import build_layer_programs
+    from dhelix.topology import NodeTopology
+
+    rest = list(args.extra_args)
+    try:
+        model_args = _model_args(rest, args.world_size)
+        topology = NodeTopology.detect(args.ranks_per_node)
+        desc = LayerDescription.from_args(model_args, topology=topology, rank=args.rank)
+        programs = build_layer_programs(desc)
+    except (ArgumentError, UnsupportedLayerError, ValueError) as exc:
+        print(f"dhelix ops: {exc}", file=sys.stderr)
+        return 2
+    directions = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
+    if args.export_dag:
+        out = Path(args.export_dag)
+        for direction in ("fwd", "bwd"):
+            programs.program(direction).save_dag(out / f"{direction}.json")
+    if args.json:
+        print(json.dumps({d: programs.program(d).dag().to_dict() for d in directions}, indent=1))
+        return 0
+    print(f"layer: {desc.summary()}")
+    for direction in directions:
+        program = programs.program(direction)
+        title = {"fwd": "forward", "bwd": "backward"}[direction]
+        print(f"\n{title} program: {len(program)} operators")
+        print(format_table(program))
+    print("\n" + saved_summary(programs))
+    if args.export_dag:
+        print(f"wrote {Path(args.export_dag) / 'fwd.json'} and {Path(args.export_dag) / 'bwd.json'}")
+    return 0

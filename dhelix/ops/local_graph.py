@@ -1,0 +1,181 @@
+"""Small autograd graphs for the non-GEMM operators, and the parameter-gradient sink.
+
+Operators whose math is not a GEMM (norms, the attention core with RoPE, the activation,
+bias-dropout-add) run Megatron's own module code in their forward operator while recording
+a *local* autograd graph that starts at the operator's inputs and ends at its outputs. Their
+backward operator runs exactly that graph backward. The graph saves what Megatron's autograd
+graph saves for the same code (the operator's inputs are entered through a node that saves
+nothing, and only gradient *edges* are kept, never the output tensors), so activation
+memory matches Megatron's.
+
+Parameter gradients always reach the parameters through their autograd accumulator node
+(`deliver_param_grads`, which computes them inside the autograd engine, as a Megatron
+backward function does): `param.grad` accumulates as autograd would (taking the gradient
+tensor itself when it was None, so no copy), and every hook registered on the accumulator -
+Megatron DDP's backward post-hook, which adds `param.grad` into `param.main_grad`, clears
+`param.grad` and (with overlap_grad_reduce) marks the parameter ready for its bucket's grad
+sync - fires exactly as in Megatron's own backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+class _Entry(torch.autograd.Function):
+    """Identity that starts a local graph: saves nothing, so entering a tensor does not
+    keep it alive; its gradient edge is where the input gradient is read."""
+
+    @staticmethod
+    def forward(ctx, tensor, anchor):  # noqa: ARG004 - anchor only makes the output require grad
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+_ANCHORS: dict = {}
+_ANCHOR_LOCK = threading.Lock()
+
+
+def _anchor() -> torch.Tensor:
+    """A scalar leaf that requires grad; it never receives a gradient (the entry node returns
+    None for it). One per thread, so concurrent executors never share autograd state."""
+    key = threading.get_ident()
+    with _ANCHOR_LOCK:
+        anchor = _ANCHORS.get(key)
+        if anchor is None:
+            anchor = _ANCHORS[key] = torch.zeros((), requires_grad=True)
+    return anchor
+
+
+class LocalGraph:
+    """The recorded autograd graph of one operator, owned by the execution state from the
+    forward operator that traced it until the backward operator that consumes it.
+
+    Holds only gradient edges and the parameter list; the tensors the graph needs are held by
+    the autograd nodes themselves and are freed by `backward` (or `release`).
+    """
+
+    __slots__ = ("name", "_input_edges", "_output_edges", "_params", "_used")
+
+    def __init__(self, name: str, input_edges: Mapping[str, GradientEdge],
+                 output_edges: Sequence[GradientEdge], params: Sequence[torch.nn.Parameter]):
+        self.name = name
+        self._input_edges = dict(input_edges)
+        self._output_edges = list(output_edges)
+        self._params = list(params)
+        self._used = False
+
+    @classmethod
+    def trace(cls, name: str, fn: Callable, grad_inputs: dict,
+              params: Sequence[torch.nn.Parameter], **constant_inputs):
+        """Run `fn(entered, **constant_inputs)` with grad enabled and record its graph.
+
+        `grad_inputs` maps names to the tensors whose gradients the backward operator
+        returns; trace *takes* them (the dict is emptied) and hands `fn` a dict of the same
+        names holding the entered tensors, which `fn` should pop when it uses them - so that,
+        as in Megatron's forward, an input nobody saves is freed as soon as the code stops
+        using it. `constant_inputs` get no gradient (masks, rotary tables). `fn` returns a
+        tensor or a tuple of tensors. Returns `(outputs, graph)`: the outputs detached
+        (plain tensors for the next operators, sharing storage with the graph's outputs) and
+        the LocalGraph. Parameters used by `fn` must be listed in `params` to get gradients.
+        """
+        with torch.enable_grad():
+            anchor = _anchor()
+            entered, input_edges = {}, {}
+            for key in list(grad_inputs):
+                tensor = _Entry.apply(grad_inputs.pop(key), anchor)
+                input_edges[key] = get_gradient_edge(tensor)
+                entered[key] = tensor
+                del tensor
+            result = fn(entered, **constant_inputs)
+            entered.clear()
+            outputs = result if isinstance(result, tuple) else (result,)
+            del result
+            for out in outputs:
+                if not out.requires_grad:
+                    raise RuntimeError(f"{name}: an output of the traced operator does not "
+                                       "depend on its inputs or parameters")
+            graph = cls(name, input_edges, [get_gradient_edge(out) for out in outputs],
+                        [p for p in params if p is not None and p.requires_grad])
+        return tuple(out.detach() for out in outputs), graph
+
+    def backward(self, grad_outputs: list) -> dict:
+        """Run the graph backward once. Takes the gradient tensors (the list is emptied);
+        returns {input name: gradient} and delivers the parameter gradients as
+        `deliver_param_grads` does. Frees the graph and what it saved."""
+        if self._used:
+            raise RuntimeError(f"local graph {self.name} was already run backward")
+        self._used = True
+        names = list(self._input_edges)
+        targets = [self._input_edges[n] for n in names] + self._params
+        input_grads: dict = {}
+
+        output_grads = list(grad_outputs)
+        grad_outputs.clear()
+
+        def compute():
+            grads = list(torch.autograd.grad(self._output_edges, targets, output_grads,
+                                             allow_unused=True))
+            output_grads.clear()
+            for name in names:
+                input_grads[name] = grads.pop(0)
+            return grads
+
+        if self._params:
+            deliver_param_grads(self._params, compute)
+        else:
+            compute()
+        self.release()
+        return input_grads
+
+    def release(self) -> None:
+        """Drop the edges (the autograd nodes, and the tensors they saved, go with them)."""
+        self._input_edges.clear()
+        self._output_edges.clear()
+        self._params = []
+
+
+class _Deliver(torch.autograd.Function):
+    """Carries parameter gradients computed inside the autograd engine to the parameters'
+    accumulators, exactly as a Megatron backward function returning them would."""
+
+    @staticmethod
+    def forward(ctx, compute, mask, *params):
+        ctx.compute, ctx.mask = compute, mask
+        return params[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _unused):
+        compute, ctx.compute = ctx.compute, None
+        grads = compute()
+        return (None, None, *[g for g, wanted in zip(grads, ctx.mask) if wanted])
+
+
+def deliver_param_grads(params: Sequence[torch.nn.Parameter],
+                        compute: Callable[[], list]) -> None:
+    """Compute parameter gradients with `compute()` (a list, one entry per parameter, None
+    to skip) inside the autograd engine and deliver each to its parameter's accumulator.
+
+    Equivalent to the gradients arriving during Megatron's `loss.backward()`: added to
+    `param.grad` (which takes the tensor itself when `param.grad` is None - `compute` must
+    not keep references to what it returns), and the accumulator's hooks run: under Megatron
+    DDP the gradient lands in `param.main_grad`, `param.grad` is cleared, and grad-sync
+    bookkeeping happens. Gradients of parameters that do not require grad are dropped;
+    `compute` runs exactly once in every case (it may have side effects).
+    """
+    params = list(params)
+    mask = [p.requires_grad for p in params]
+    if not any(mask):
+        compute()
+        return
+    wanted = [p for p, keep in zip(params, mask) if keep]
+    with torch.enable_grad():
+        carrier = _Deliver.apply(compute, mask, *wanted)
+    torch.autograd.backward(carrier, carrier.new_empty(0))

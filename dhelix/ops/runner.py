@@ -1,0 +1,259 @@
+"""Operator-by-operator execution of layer programs on live megatron-core layers.
+
+`BoundLayer` binds a layer's programs to the layer. `LayerExecution` is the execution state
+of one layer for one micro-batch - values by name, pending communication handles, which
+operators have run - and is what an executor drives: `begin_forward`, `run(op_id)` for each
+operator in any legal order (possibly in segments interleaved with another execution),
+`end_forward`; then `begin_backward`, `run`, `end_backward`. `run_forward`/`run_backward`
+do a whole program in one call; `LayerStack` chains layers.
+
+Ownership and lifetime guarantees:
+- The execution holds each value from the moment an operator produces it (or it is handed
+  in) until the last operator reading it - forward or backward - has run; then the state
+  drops its reference. Saved activations therefore live exactly until their last backward
+  reader. `end_forward`/`end_backward` hand the program output over and keep no reference.
+  A caller who keeps its own reference to the input keeps it alive.
+- Communication operators return immediately with their output *pending*; the first reader
+  waits on the handle (`get`). Until then the pending record keeps the collective's input
+  and output buffers alive. `end_*` verifies nothing is left pending.
+- Every tensor value is checked against its declared shape when produced, so a layer that
+  does not match its description fails at the first operator, not with wrong numbers.
+- All ranks of a tensor-parallel group must run their collectives in the same order: use
+  the same operator order on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from dhelix.ops.binding import LayerBinding
+from dhelix.ops.layer_program import build_layer_programs
+from dhelix.ops.program import LayerPrograms
+from dhelix.ops.registry import get_kernel
+from dhelix.topology import NodeTopology
+
+
+@functools.lru_cache(maxsize=64)
+def _programs_for(description) -> LayerPrograms:
+    return build_layer_programs(description)
+
+
+class BoundLayer:
+    """A TransformerLayer with its programs. Layers with equal descriptions share one
+    (immutable) LayerPrograms object."""
+
+    def __init__(self, layer, seq_length: int, micro_batch_size: int, *, rope: bool,
+                 topology: Optional[NodeTopology] = None):
+        self.binding = LayerBinding(layer)
+        self.description = self.binding.describe(seq_length, micro_batch_size, rope=rope,
+                                                 topology=topology)
+        self.programs = _programs_for(self.description)
+
+    @property
+    def layer(self):
+        return self.binding.layer
+
+    def new_execution(self) -> "LayerExecution":
+        return LayerExecution(self)
+
+
+class _Pending:
+    __slots__ = ("tensor", "work", "keepalive")
+
+    def __init__(self, tensor, work, keepalive):
+        self.tensor, self.work, self.keepalive = tensor, work, keepalive
+
+
+class LayerExecution:
+    """Execution state of one bound layer for one micro-batch (see the module docstring)."""
+
+    def __init__(self, bound: BoundLayer):
+        self.bound = bound
+        self.binding = bound.binding
+        self.programs = bound.programs
+        self._values: dict = {}
+        self._remaining = {name: set(ops) for name, ops in self.programs.consumers.items()}
+        self._done: set[str] = set()
+        self._phase = "idle"
+        self._running: Optional[str] = None
+
+    # --------------------------------------------------------- state access
+    def get(self, name: str):
+        """The value `name`, waiting first on its communication handle if it is pending."""
+        try:
+            value = self._values[name]
+        except KeyError:
+            raise KeyError(f"value {name!r} is not available (not produced yet, or already "
+                           "released after its last reader)") from None
+        if isinstance(value, _Pending):
+            value.work.wait()
+            value = self._values[name] = value.tensor
+        return value
+
+    def take(self, name: str):
+        """`get` for the running operator; if it is the value's last reader, the state
+        drops its reference now (the kernel's reference is then the only one)."""
+        value = self.get(name)
+        remaining = self._remaining[name]
+        if self._running is not None and remaining == {self._running}:
+            del self._values[name]
+        return value
+
+    def put(self, name: str, value) -> None:
+        """Store a produced value, checking a tensor's shape against the program."""
+        info = self.programs.values[name]
+        if info.kind == "tensor":
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"value {name!r} must be a tensor, got {type(value).__name__}")
+            if tuple(value.shape) != info.shape:
+                raise RuntimeError(
+                    f"value {name!r} has shape {tuple(value.shape)} but the program expects "
+                    f"{info.shape} ({self.bound.description.summary()})"
+                )
+        self._values[name] = value
+
+    def put_pending(self, name: str, tensor: torch.Tensor, work, keepalive: Sequence = ()):
+        """Store the output of an asynchronous collective; readers wait on `work`."""
+        self.put(name, tensor)
+        self._values[name] = _Pending(tensor, work, tuple(keepalive))
+
+    def live_values(self) -> list[str]:
+        """Names of the values this execution currently holds (for tests and memory
+        accounting)."""
+        return sorted(self._values)
+
+    def pending_values(self) -> list[str]:
+        return sorted(n for n, v in self._values.items() if isinstance(v, _Pending))
+
+    # ------------------------------------------------------------- driving
+    def begin_forward(self, x: torch.Tensor, attention_mask=None, rotary_pos_emb=None) -> None:
+        """Hand in the layer input (and the mask / rotary table the layer would get)."""
+        self._expect_phase("idle", "begin_forward")
+        desc = self.bound.description
+        if desc.rope and rotary_pos_emb is None:
+            raise ValueError("this layer was described with RoPE but no rotary_pos_emb given")
+        if not desc.rope and rotary_pos_emb is not None:
+            raise ValueError("rotary_pos_emb given for a layer described without RoPE")
+        if x.requires_grad:
+            raise ValueError("the layer input must be a plain tensor (detach it); the "
+                             "programs produce its gradient explicitly")
+        self.put("x", x)
+        self.put("attention_mask", attention_mask)
+        self.put("rotary_pos_emb", rotary_pos_emb)
+        self._phase = "fwd"
+
+    def end_forward(self) -> torch.Tensor:
+        """Hand over the layer output; all forward ops must have run."""
+        return self._end("fwd", "y", next_phase="between")
+
+    def begin_backward(self, grad_output: torch.Tensor) -> None:
+        """Hand in the gradient of the layer output."""
+        self._expect_phase("between", "begin_backward")
+        self.put("d.y", grad_output)
+        self._phase = "bwd"
+
+    def end_backward(self) -> torch.Tensor:
+        """Hand over the gradient of the layer input; all backward ops must have run, and
+        the execution then holds nothing."""
+        grad_input = self._end("bwd", "d.x", next_phase="finished")
+        if self._values:
+            raise RuntimeError(f"values left after the backward: {self.live_values()}")
+        return grad_input
+
+    def run(self, op_id: str) -> None:
+        """Run one operator of the current direction; its deps must have run."""
+        program = self.programs.program(self._phase) if self._phase in ("fwd", "bwd") else None
+        if program is None:
+            raise RuntimeError(f"cannot run {op_id!r}: no program in progress ({self._phase})")
+        try:
+            op = program[op_id]
+        except KeyError:
+            raise KeyError(f"{op_id!r} is not an operator of the {self._phase} program") from None
+        if op_id in self._done:
+            raise RuntimeError(f"operator {op_id!r} already ran")
+        missing = [dep for dep in op.deps if dep not in self._done]
+        if missing:
+            raise RuntimeError(f"operator {op_id!r} runs before its dependencies {missing}")
+        self._running = op_id
+        try:
+            with torch.no_grad():
+                get_kernel(op.kernel).run(op, self)
+        finally:
+            self._running = None
+        self._done.add(op_id)
+        for name in op.inputs:
+            remaining = self._remaining[name]
+            remaining.discard(op_id)
+            if not remaining:
+                self._values.pop(name, None)
+
+    # ------------------------------------------------------------ helpers
+    def _expect_phase(self, phase: str, action: str) -> None:
+        if self._phase != phase:
+            raise RuntimeError(f"{action} called in phase {self._phase!r} (expected {phase!r})")
+
+    def _end(self, direction: str, output: str, next_phase: str):
+        self._expect_phase(direction, f"end of the {direction} program")
+        program = self.programs.program(direction)
+        not_run = [op_id for op_id in program.ids if op_id not in self._done]
+        if not_run:
+            raise RuntimeError(f"{direction} program ended with ops not run: {not_run}")
+        result = self.get(output)
+        del self._values[output]
+        if self.pending_values():
+            raise RuntimeError(f"communication never waited on: {self.pending_values()}")
+        self._phase = next_phase
+        return result
+
+
+def run_forward(execution: LayerExecution, x, attention_mask=None, rotary_pos_emb=None,
+                order: Optional[Iterable[str]] = None) -> torch.Tensor:
+    """Whole forward program in `order` (default: program order; rejected if illegal)."""
+    order = execution.programs.forward.check_order(order)
+    execution.begin_forward(x, attention_mask, rotary_pos_emb)
+    for op_id in order:
+        execution.run(op_id)
+    return execution.end_forward()
+
+
+def run_backward(execution: LayerExecution, grad_output,
+                 order: Optional[Iterable[str]] = None) -> torch.Tensor:
+    """Whole backward program in `order` (default: program order; rejected if illegal)."""
+    order = execution.programs.backward.check_order(order)
+    execution.begin_backward(grad_output)
+    for op_id in order:
+        execution.run(op_id)
+    return execution.end_backward()
+
+
+class LayerStack:
+    """Consecutive TransformerLayers run through their programs (one micro-batch at a time
+    per `forward`/`backward` pair). The stack's input gradient comes out of `backward`."""
+
+    def __init__(self, layers: Sequence, seq_length: int, micro_batch_size: int, *, rope: bool,
+                 topology: Optional[NodeTopology] = None):
+        self.bound = [BoundLayer(layer, seq_length, micro_batch_size, rope=rope,
+                                 topology=topology) for layer in layers]
+
+    def forward(self, x, attention_mask=None, rotary_pos_emb=None,
+                fwd_order: Optional[Sequence[str]] = None):
+        """Returns (output, executions); the executions hold the saved activations until
+        `backward` consumes them."""
+        executions = []
+        for bound in self.bound:
+            execution = bound.new_execution()
+            x = run_forward(execution, x, attention_mask, rotary_pos_emb, fwd_order)
+            executions.append(execution)
+        return x, executions
+
+    def backward(self, executions: list, grad_output,
+                 bwd_order: Optional[Sequence[str]] = None) -> torch.Tensor:
+        """Backward through the layers in reverse; empties `executions` as it goes so each
+        layer's state is dropped once its backward ran. Returns the input gradient."""
+        grad = grad_output
+        while executions:
+            grad = run_backward(executions.pop(), grad, bwd_order)
+        return grad

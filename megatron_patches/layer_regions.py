@@ -1,0 +1,101 @@
+"""Run parts of a megatron-core TransformerLayer's own forward code between its GEMMs.
+
+The operator programs do the linear layers (GEMMs and their tensor-parallel collectives)
+themselves, and reuse Megatron's code for everything between them, so every variant the
+module supports (RoPE flavours, GQA layout, qk-layernorm, softmax variants, GLU clamps,
+fused bias-activation kernels, ...) behaves exactly as in Megatron:
+
+- `attention_core(self_attention, mixed_qkv, ...)` runs `SelfAttention.forward` with
+  `linear_qkv` and `linear_proj` bypassed: the QKV GEMM output goes in, the core-attention
+  output (the input of the output projection) comes out. Inside: the QKV split, RoPE, and
+  `core_attention`.
+- `mlp_activation(mlp, take_fc1_output)` runs `MLP.forward` with `linear_fc1`/`linear_fc2`
+  bypassed: FC1's GEMM output goes in, the activation output (FC2's input) comes out, with
+  FC1's bias added exactly where Megatron adds it (`skip_bias_add=True`).
+
+A bypass stands in for a linear module for the duration of one call and returns what that
+module would have returned had its GEMM produced the given tensor: `(tensor, bias if the
+module skips its bias add else None)`. The original module is restored before returning,
+also on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional
+
+import torch
+
+
+class _LinearBypass(torch.nn.Module):
+    """Stands in for a ColumnParallelLinear/RowParallelLinear whose GEMM already ran.
+
+    Returns its input as the GEMM output, or - with `take` - the tensor `take()` hands over,
+    ignoring the input: then the caller's frames never hold the GEMM output, and it is freed
+    as soon as Megatron's code stops using it, exactly as the real linear's output would be.
+    """
+
+    def __init__(self, original: torch.nn.Module, take: Optional[Callable] = None):
+        super().__init__()
+        # Plain attributes (object.__setattr__): the bypass must not register the
+        # original's parameters as its own.
+        object.__setattr__(self, "_bias", original.bias if original.skip_bias_add else None)
+        object.__setattr__(self, "_take", take)
+
+    def forward(self, gemm_output, *args, **kwargs):  # noqa: ARG002 - linear signature
+        if self._take is not None:
+            gemm_output = self._take()
+        return gemm_output, self._bias
+
+
+@contextlib.contextmanager
+def _bypassed(module: torch.nn.Module, **takes) -> Iterator[None]:
+    """Replace the named linear submodules by bypasses (`name=None` or `name=take`)."""
+    originals = {name: getattr(module, name) for name in takes}
+    try:
+        for name, original in originals.items():
+            setattr(module, name, _LinearBypass(original, takes[name]))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+def attention_core(self_attention, mixed_qkv, attention_mask=None, rotary_pos_emb=None):
+    """Megatron's SelfAttention forward from the QKV GEMM output (bias included) to the
+    core-attention output `[s, b, heads_per_rank * kv_channels]`."""
+    with _bypassed(self_attention, linear_qkv=None, linear_proj=None):
+        output, _ = self_attention(mixed_qkv, attention_mask=attention_mask,
+                                   rotary_pos_emb=rotary_pos_emb)
+    return output
+
+
+def mlp_activation(mlp, take_fc1_output: Callable[[], torch.Tensor]):
+    """Megatron's MLP forward from FC1's GEMM output (bias not yet added) to the activation
+    output `[s, b, ffn_hidden_size / tp]`. `take_fc1_output()` hands the FC1 output over
+    (the caller keeps no reference), so it is freed right after the bias add, as in
+    Megatron; `MLP.forward` itself receives None for its input."""
+    with _bypassed(mlp, linear_fc1=take_fc1_output, linear_fc2=None):
+        output, _ = mlp(None)
+    return output
+
+
+def run_forward_pre_hooks(module: torch.nn.Module, args: tuple) -> None:
+    """Fire `module`'s forward pre-hooks as calling it would (Megatron DDP registers them
+    with overlap_param_gather to wait for the parameter all-gather). Hooks that replace the
+    module's inputs are not supported and raise."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, {})
+        else:
+            result = hook(module, args)
+        if result is not None:
+            raise RuntimeError(
+                f"forward pre-hook {hook} of {type(module).__name__} replaces the module's "
+                "inputs, which dhelix operator programs do not support"
+            )
+
+
+def uses_transformer_engine(module: torch.nn.Module) -> bool:
+    """True when `module` comes from Transformer Engine (megatron.core.extensions.*)."""
+    return "transformer_engine" in type(module).__module__ or type(module).__name__.startswith("TE")

@@ -1,0 +1,41 @@
+"""`dhelix ops`: the operator table and DAG export for a model/parallel configuration."""
+
+from __future__ import annotations
+
+import json
+
+from dhelix.cli import main
+from dhelix.dag import load_dag
+
+
+def test_ops_table_and_dag_export(tmp_path, capsys):
+    argv = ["ops", "--preset", "tiny", "--tensor-model-parallel-size", "4",
+            "--sequence-parallel", "--ranks-per-node", "2", "--export-dag", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "forward program: 14 operators" in out
+    assert "backward program: 20 operators" in out
+    assert "all_gather(shape=64x2x128)/float32/g4/inter" in out
+    assert "saved for backward:" in out
+    fwd, bwd = load_dag(tmp_path / "fwd.json"), load_dag(tmp_path / "bwd.json")
+    assert (len(fwd.ops), len(bwd.ops)) == (14, 20)
+    assert fwd.direction == "fwd" and bwd.direction == "bwd"
+
+
+def test_ops_json_and_channel_of_one_node(capsys, monkeypatch):
+    monkeypatch.delenv("DHELIX_RANKS_PER_NODE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert main(["ops", "--preset", "tiny", "--tensor-model-parallel-size", "2",
+                 "--direction", "bwd", "--json"]) == 0
+    dags = json.loads(capsys.readouterr().out)
+    assert list(dags) == ["bwd"]
+    comm = [op for op in dags["bwd"]["ops"] if op["kind"] == "comm"]
+    assert [op["op_class"] for op in comm] == ["all_reduce", "all_reduce"]
+    assert {op["channel"] for op in comm} == {"intra"}
+
+
+def test_ops_rejects_unsupported_configs(capsys):
+    assert main(["ops", "--preset", "tiny", "--hidden-dropout", "0.1"]) == 2
+    assert "dropout 0 only" in capsys.readouterr().err
+    assert main(["ops", "--preset", "tiny", "--tensor-model-parallel-size", "3"]) == 2
+    assert "not divisible" in capsys.readouterr().err
