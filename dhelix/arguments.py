@@ -94,6 +94,14 @@ def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dhelix")
     g.add_argument("--preset", type=str, default=None,
                    help="model preset: a name in configs/ (e.g. tiny) or a JSON file path")
+    g.add_argument("--dhelix", action="store_true",
+                   help="co-execute micro-batch pairs (one forward with another's backward)")
+    g.add_argument("--dhelix-plan", type=str, default=None,
+                   help="plan file (dhelix plan ...); default: build one at start-up")
+    g.add_argument("--dhelix-profile", type=str, default=None,
+                   help="profile to plan from (dhelix profile ...); default: analytic costs")
+    g.add_argument("--dhelix-pairer", choices=["dp", "sequential", "round_robin"],
+                   default="dp", help="how a start-up plan pairs operators (default dp)")
     g.add_argument("--log-json", type=str, default=None,
                    help="also write one JSON record per logged iteration to this file (rank 0)")
 
@@ -251,6 +259,12 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--data-path {ns.data_path}: no such file")
     if ns.save_interval is not None and ns.save_interval < 1:
         raise ArgumentError("--save-interval must be >= 1")
+    for flag in ("dhelix_plan", "dhelix_profile"):
+        path = getattr(ns, flag)
+        if path is not None and not ns.dhelix:
+            raise ArgumentError(f"--{flag.replace('_', '-')} needs --dhelix")
+        if path is not None and not Path(path).is_file():
+            raise ArgumentError(f"--{flag.replace('_', '-')} {path}: no such file")
     ns.data_parallel_size = dp
     ns.num_microbatches = ns.global_batch_size // per_step
 

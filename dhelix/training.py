@@ -72,6 +72,7 @@ class Trainer:
     consumed_samples: int = 0
     iteration: int = 0
     forward_backward_func: Callable = field(default=None)
+    dhelix: object = None  # dhelix.runtime.setup.DHelixSetup when --dhelix
     _data_iterator: object = None
 
     @classmethod
@@ -111,6 +112,11 @@ class Trainer:
         trainer = cls(args=args, config=config, model=model, optimizer=optimizer,
                       dataset=build_train_dataset(args))
         trainer.forward_backward_func = get_forward_backward_func()
+        if getattr(args, "dhelix", False):
+            from dhelix.runtime.setup import setup_dhelix
+
+            trainer.dhelix = setup_dhelix(args, model)
+            trainer.forward_backward_func = trainer.dhelix.forward_backward_func
         return trainer
 
     def data_iterator(self):

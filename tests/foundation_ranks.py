@@ -119,3 +119,26 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
     destroy_parallel_state()
     dist.barrier()
     return report
+
+
+def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
+    """For each case {name: {"tp", "sp", "pairer"}}: Megatron's no-pipelining schedule and
+    the DHelix schedule from the same initial weights (same seed, same layout) and data;
+    per-step comparison rows, plus the plan's block count."""
+    init_process_group_from_env()
+    report = {}
+    for name, spec in cases.items():
+        base = ["--optimizer", "sgd", "--lr", "0.05", *extra_args, *spec.get("extra", ())]
+        args = tiny_args(tp=spec["tp"], sp=spec.get("sp", False), extra=base)
+        ref = build_trainer(args)
+        ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
+        dargs = tiny_args(tp=spec["tp"], sp=spec.get("sp", False),
+                          extra=base + ["--dhelix", "--dhelix-pairer", spec["pairer"]])
+        trainer = build_trainer(dargs)
+        got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
+        report[name] = {"rows": compare_steps(ref_steps, got),
+                        "blocks": len(trainer.dhelix.plan.blocks),
+                        "num_microbatches": dargs.num_microbatches}
+    destroy_parallel_state()
+    dist.barrier()
+    return report

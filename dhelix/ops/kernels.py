@@ -82,7 +82,7 @@ class LinearWgrad(Kernel):
 
 # ------------------------------------------------------------- collectives
 def _group(op, state):
-    return state.binding.group(op.attrs["group"])
+    return state.comm_group(op)
 
 
 @register_kernel

@@ -79,6 +79,9 @@ class LayerExecution:
         self._done: set[str] = set()
         self._phase = "idle"
         self._running: Optional[str] = None
+        # (group role, channel) -> process group replacing the layer's own group for the
+        # collectives of that channel (the executor's communication lanes); empty = none.
+        self.lane_groups: dict = {}
 
     # --------------------------------------------------------- state access
     def get(self, name: str):
@@ -119,6 +122,37 @@ class LayerExecution:
         """Store the output of an asynchronous collective; readers wait on `work`."""
         self.put(name, tensor)
         self._values[name] = _Pending(tensor, work, tuple(keepalive))
+
+    @property
+    def phase(self) -> str:
+        """'idle', 'fwd', 'between', 'bwd' or 'finished'."""
+        return self._phase
+
+    def comm_group(self, op):
+        """The process group a collective operator runs on: its lane's group when the
+        executor assigned one for (role, channel), else the layer's own group. A lane group
+        has the same ranks as the layer's group, so results are identical."""
+        role = op.attrs["group"]
+        lane = self.lane_groups.get((role, op.channel))
+        return lane if lane is not None else self.binding.group(role)
+
+    def op_ready(self, op_id: str) -> bool:
+        """True if running `op_id` now would not block on a pending collective: every input
+        it reads is either computed or a collective whose work has completed."""
+        program = self.programs.program(self._phase)
+        for name in program[op_id].inputs:
+            value = self._values.get(name)
+            if isinstance(value, _Pending) and not value.work.is_completed():
+                return False
+        return True
+
+    def wait_pending(self) -> None:
+        """Wait for every collective this execution has in flight (a block barrier); the
+        values stay held until their readers run."""
+        for name, value in list(self._values.items()):
+            if isinstance(value, _Pending):
+                value.work.wait()
+                self._values[name] = value.tensor
 
     def live_values(self) -> list[str]:
         """Names of the values this execution currently holds (for tests and memory

@@ -1,0 +1,76 @@
+"""Execution lanes: compute, intra-node communication, cross-node communication.
+
+- Compute runs on the calling thread (CPU) or the current CUDA stream (GPU). Every tensor of
+  both strands is allocated there, so the caching allocator sees one stream and frees
+  nothing early; collectives' buffers are kept alive by the operator state until their
+  reader has waited (see `dhelix.ops.runner`), and ProcessGroupNCCL records its tensors on
+  its own stream (`record_stream` discipline) on GPU.
+- Each communication lane has its own process group with the same ranks as the layer's
+  tensor-parallel group. On CPU these are gloo groups whose work runs on gloo's threads
+  while the calling thread computes; on GPU they are NCCL communicators, each with its own
+  CUDA stream, so an intra-node collective of one strand, a cross-node collective of the
+  other and the compute stream proceed concurrently. A consumer waits on the collective's
+  work handle (`work.wait()`): on CPU it blocks the thread, on GPU it only makes the current
+  stream wait (an event dependency), without a host synchronisation.
+
+`CUDA_DEVICE_MAX_CONNECTIONS`: Megatron sets it to 1 so that, with sequence parallelism,
+its own communication kernels are scheduled in issue order ahead of the GEMMs they overlap.
+DHelix overlaps kernels of *different* streams, which needs several hardware queues: with 1
+connection the GPU serialises kernels of all streams in launch order and a paired block
+degrades towards running back to back. Leave it unset (driver default 8) or raise it when
+training with `--dhelix`; `check_cuda_device_max_connections` warns about a value of 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+COMM_LANES = ("intra", "inter")
+
+
+@dataclass
+class Lanes:
+    """Per-lane clones of one process group (by role, e.g. 'tp'), shared by all strands.
+
+    Built collectively: every rank of the world must call `Lanes.build` with the same roles
+    in the same order (torch.distributed.new_group is a collective over the world).
+    """
+
+    groups: dict = field(default_factory=dict)  # (role, lane) -> ProcessGroup
+
+    @classmethod
+    def build(cls, role_groups: dict) -> "Lanes":
+        """`role_groups`: role -> this rank's process group for that role (e.g. Megatron's
+        TP group). For each role and communication lane, creates a group with the same
+        ranks, for every group of that role in the world."""
+        lanes = cls()
+        for role, group in role_groups.items():
+            mine = tuple(dist.get_process_group_ranks(group))
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            all_groups = sorted(set(everyone))
+            for lane in COMM_LANES:
+                for ranks in all_groups:
+                    clone = dist.new_group(list(ranks))
+                    if ranks == mine:
+                        lanes.groups[(role, lane)] = clone
+        return lanes
+
+    def attach(self, execution) -> None:
+        """Route the execution's collectives to the lane of their channel."""
+        execution.lane_groups = self.groups
+
+
+def check_cuda_device_max_connections() -> None:
+    """Warn when the GPU would serialise the lanes' kernels (see the module docstring)."""
+    if torch.cuda.is_available() and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        log.warning("CUDA_DEVICE_MAX_CONNECTIONS=1 serialises kernels across streams, so "
+                    "paired forward/backward blocks cannot overlap; unset it or set it >= 2 "
+                    "for --dhelix")

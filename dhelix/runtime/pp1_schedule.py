@@ -1,0 +1,230 @@
+"""The DHelix forward/backward function without pipelining (PP=1).
+
+Micro-batches flow as F(1); [F(2)+B(1)]; ...; [F(m)+B(m-1)]; B(m). Each bracket is an SI
+block: the forward of micro-batch beta=i+1 and the backward of alpha=i go through the
+layers together, forward layer l of beta paired with backward layer L-1-l of alpha (the
+pairing of the folded model; with PP=1 both sit on this rank), each pair executed block by
+block as the plan says (`strand_executor.run_blocks`). F(1) and B(m) run alone, in the
+plan's orders.
+
+Semantics are Megatron's `forward_backward_no_pipelining`: the same `forward_step_func`
+is called once per micro-batch in the same order (so the data iterator is consumed
+identically); the embedding, final norm, output layer and loss are megatron-core's own code
+(`megatron_patches.gpt_parts`); loss scaling and token counting go through Megatron's
+`forward_step_calc_loss` and `backward_step`; every backward but the last runs inside
+`config.no_sync_func`; `config.finalize_model_grads_func` runs at the end. Gradient
+accumulation into `main_grad` happens in the same micro-batch order (B(1) before B(2) ...).
+
+Requirement on `forward_step_func`: it must return the model's output unchanged together
+with the loss function (as Megatron's pretrain_gpt does); the model is called as
+`model(tokens, position_ids, attention_mask, labels=labels)`. Anything else is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.pipeline_parallel import schedules as mcore_schedules
+from megatron.core.utils import get_model_config, get_model_type
+
+from dhelix.runtime.strand_executor import Block, run_alone, run_blocks
+from megatron_patches.gpt_parts import GPTParts
+
+
+class ForwardStepError(RuntimeError):
+    """forward_step_func does not follow the pattern the DHelix schedule supports."""
+
+
+class _ModelOutputPlaceholder:
+    """Returned by the capturing model; the real output is computed by the schedule."""
+
+
+@dataclass
+class _CapturedCall:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: object
+    labels: torch.Tensor
+
+
+class _CapturingModel:
+    """Stands in for the model while `forward_step_func` runs: records the call's
+    arguments and returns a placeholder; attribute access reaches the real model."""
+
+    def __init__(self, model):
+        self._model = model
+        self.calls: list[_CapturedCall] = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, input_ids=None, position_ids=None, attention_mask=None, *args,
+                 labels=None, **kwargs):
+        if args or kwargs:
+            raise ForwardStepError(
+                "with --dhelix the model must be called as model(tokens, position_ids, "
+                f"attention_mask, labels=labels); got extra arguments {list(kwargs) or args}")
+        if labels is None:
+            raise ForwardStepError("with --dhelix forward_step_func must pass labels (training)")
+        if attention_mask is not None:
+            raise ForwardStepError("with --dhelix only the implicit causal mask is supported "
+                                   "(pass attention_mask=None)")
+        self.calls.append(_CapturedCall(input_ids, position_ids, attention_mask, labels))
+        return _ModelOutputPlaceholder()
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch in flight. Owns its layer executions (each frees its activations
+    after their last reader) and the autograd graphs of its embedding and loss."""
+
+    call: _CapturedCall
+    loss_func: object
+    pre: object
+    executions: list = field(default_factory=list)
+    hidden: torch.Tensor = None       # leaf: input of the final norm (requires grad)
+    output_tensor: torch.Tensor = None  # scaled loss from forward_step_calc_loss
+
+
+@dataclass
+class DHelixSchedule:
+    """Everything the PP=1 schedule needs, built once at start-up (see `runtime.setup`).
+
+    `bound_layers[l]` binds layer l's operator programs; `lanes` routes collectives to the
+    communication lanes; `fwd_order`/`bwd_order`/`blocks` come from the plan.
+    """
+
+    parts: GPTParts
+    bound_layers: list
+    lanes: object
+    fwd_order: tuple
+    bwd_order: tuple
+    blocks: tuple
+
+    def __post_init__(self):
+        self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
+
+    # --------------------------------------------------------------- strands
+    def _new_execution(self, layer_index: int):
+        execution = self.bound_layers[layer_index].new_execution()
+        if self.lanes is not None:
+            self.lanes.attach(execution)
+        return execution
+
+    def _begin_microbatch(self, forward_step_func, data_iterator, model) -> _MicroBatch:
+        capture = _CapturingModel(model)
+        result = forward_step_func(data_iterator, capture)
+        if not (isinstance(result, tuple) and len(result) == 2
+                and isinstance(result[0], _ModelOutputPlaceholder) and len(capture.calls) == 1):
+            raise ForwardStepError(
+                "with --dhelix forward_step_func must call the model once and return "
+                "(model_output, loss_func) with the output unchanged")
+        call = capture.calls[0]
+        pre = self.parts.pre(call.input_ids, call.position_ids)
+        return _MicroBatch(call=call, loss_func=result[1], pre=pre)
+
+    def _layer_input(self, mb: _MicroBatch, layer_index: int, x: torch.Tensor):
+        execution = self._new_execution(layer_index)
+        execution.begin_forward(x, None, mb.pre.rotary_pos_emb)
+        mb.executions.append(execution)
+        return execution
+
+    def _finish_forward(self, mb: _MicroBatch, y: torch.Tensor, model, config, ctx) -> int:
+        mb.hidden = y.detach().requires_grad_(True)
+        output = self.parts.post(mb.hidden, mb.call.input_ids, mb.call.position_ids,
+                                 mb.call.labels, mb.pre)
+        mb.output_tensor, num_tokens = mcore_schedules.forward_step_calc_loss(
+            model, output, mb.loss_func, config, None, False, ctx.num_microbatches,
+            ctx.forward_data_store, cp_group_size=1, is_last_stage=True)
+        return num_tokens
+
+    def _start_backward(self, mb: _MicroBatch, model, config) -> torch.Tensor:
+        """Loss backward through the output layer and final norm (Megatron's backward_step,
+        with grad scaling); returns the gradient of the last layer's output."""
+        grad = mcore_schedules.backward_step(mb.hidden, mb.output_tensor, None,
+                                             get_model_type(model), config)
+        mb.hidden = mb.output_tensor = None
+        return grad
+
+    @staticmethod
+    def _finish_backward(mb: _MicroBatch, grad_input: torch.Tensor) -> None:
+        torch.autograd.backward(mb.pre.decoder_input, grad_tensors=grad_input)
+        mb.pre = None
+        mb.executions.clear()
+
+    # -------------------------------------------------------------- phases
+    def _forward_alone(self, mb, model, config, ctx) -> int:
+        x = mb.pre.decoder_input.detach()
+        for layer in range(len(self.bound_layers)):
+            execution = self._layer_input(mb, layer, x)
+            run_alone(execution, self.fwd_order)
+            x = execution.end_forward()
+        return self._finish_forward(mb, x, model, config, ctx)
+
+    def _backward_alone(self, mb, model, config) -> None:
+        grad = self._start_backward(mb, model, config)
+        for execution in reversed(mb.executions):
+            execution.begin_backward(grad)
+            run_alone(execution, self.bwd_order)
+            grad = execution.end_backward()
+        self._finish_backward(mb, grad)
+
+    def _si_block(self, beta, alpha, model, config, ctx) -> int:
+        """Forward of `beta` paired layer by layer with the backward of `alpha`."""
+        num_layers = len(self.bound_layers)
+        grad = self._start_backward(alpha, model, config)
+        x = beta.pre.decoder_input.detach()
+        for layer in range(num_layers):
+            fwd = self._layer_input(beta, layer, x)
+            bwd = alpha.executions[num_layers - 1 - layer]
+            bwd.begin_backward(grad)
+            run_blocks(fwd, bwd, self.blocks)
+            x = fwd.end_forward()
+            grad = bwd.end_backward()
+        self._finish_backward(alpha, grad)
+        return self._finish_forward(beta, x, model, config, ctx)
+
+    # ---------------------------------------------------------- entry point
+    def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
+                         seq_length=None, micro_batch_size=None, decoder_seq_length=None,
+                         forward_only=False, collect_non_loss_data=False,
+                         first_val_step=None, **kwargs):
+        """Megatron's forward_backward_func signature. Forward-only and non-loss data
+        collection fall back to Megatron's own no-pipelining schedule."""
+        if forward_only or collect_non_loss_data:
+            return mcore_schedules.forward_backward_no_pipelining(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=num_microbatches, seq_length=seq_length,
+                micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                first_val_step=first_val_step, **kwargs)
+        if isinstance(model, list):
+            if len(model) != 1:
+                raise ValueError("the PP=1 DHelix schedule does not support model chunking")
+            model = model[0]
+        if isinstance(data_iterator, list):
+            data_iterator = data_iterator[0]
+        config = get_model_config(model)
+        no_sync = config.no_sync_func or contextlib.nullcontext
+        ctx = _StepContext(num_microbatches=num_microbatches)
+        total_tokens = torch.zeros([], dtype=torch.int)
+        with no_sync():
+            alpha = self._begin_microbatch(forward_step_func, data_iterator, model)
+            total_tokens += self._forward_alone(alpha, model, config, ctx)
+            for _ in range(num_microbatches - 1):
+                beta = self._begin_microbatch(forward_step_func, data_iterator, model)
+                total_tokens += self._si_block(beta, alpha, model, config, ctx)
+                alpha = beta
+        self._backward_alone(alpha, model, config)
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func(
+                [model], total_tokens if config.calculate_per_token_loss else None)
+        return ctx.forward_data_store
+
+
+@dataclass
+class _StepContext:
+    num_microbatches: int
+    forward_data_store: list = field(default_factory=list)

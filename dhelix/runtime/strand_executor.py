@@ -1,0 +1,92 @@
+"""The strand executor: co-executes one micro-batch's forward operators (strand beta) with
+another micro-batch's backward operators (strand alpha), block by block as a plan says.
+
+Within a block each strand runs its segment in plan order. The executor issues every
+collective at a strand's head as soon as the strand reaches it (collectives are
+asynchronous: they return a handle at once), and fills the wait with the other strand's
+computation: it runs the head computation of a strand whose inputs are ready, preferring
+to alternate strands, and only blocks on a pending collective when neither strand can
+proceed. At the end of a block both strands' collectives are waited on (the barrier between
+consecutive paired blocks that the planner's cost model assumes).
+
+Guarantees: each strand's operators run exactly in the plan's order for that strand (so a
+TP group's collectives are issued in the same order on every rank, which keeps gloo/NCCL
+matched), and the two strands never share state: tensors belong to their own
+`LayerExecution`, which frees each value after its last reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Block:
+    """Operator ids of one paired block: a forward segment and a backward segment."""
+
+    fwd: tuple
+    bwd: tuple
+
+
+class _Strand:
+    def __init__(self, execution, ops: Sequence[str]):
+        self.execution = execution
+        self.ops = list(ops)
+        self.next = 0
+        self.kinds = {}
+        if ops:
+            program = execution.programs.program(execution.phase)
+            self.kinds = {op_id: program[op_id].kind for op_id in ops}
+
+    def done(self) -> bool:
+        return self.next >= len(self.ops)
+
+    def head(self) -> str:
+        return self.ops[self.next]
+
+    def run_head(self) -> None:
+        self.execution.run(self.ops[self.next])
+        self.next += 1
+
+    def issue_collectives(self) -> None:
+        while not self.done() and self.kinds[self.head()] == "comm":
+            self.run_head()
+
+
+def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True) -> None:
+    """Run one block: `block.fwd` on `fwd_execution` (in its forward phase) together with
+    `block.bwd` on `bwd_execution` (in its backward phase). Either side may be empty or
+    None (a segment running alone)."""
+    strands = [s for s in (_Strand(fwd_execution, block.fwd) if block.fwd else None,
+                           _Strand(bwd_execution, block.bwd) if block.bwd else None) if s]
+    turn = 0
+    while any(not s.done() for s in strands):
+        for strand in strands:
+            strand.issue_collectives()
+        waiting = [s for s in strands if not s.done()]
+        if not waiting:
+            break
+        ready = [s for s in waiting if s.execution.op_ready(s.head())]
+        candidates = ready or waiting
+        strand = candidates[turn % len(candidates)]
+        strand.run_head()
+        turn += 1
+    if barrier:
+        for strand in strands:
+            strand.execution.wait_pending()
+
+
+def run_blocks(fwd_execution, bwd_execution, blocks: Sequence[Block],
+               barrier: bool = True) -> None:
+    """Run a layer pair's whole plan: every block in order."""
+    for block in blocks:
+        run_block(fwd_execution, bwd_execution, block, barrier=barrier)
+
+
+def run_alone(execution, order: Sequence[str]) -> None:
+    """One strand with no partner (the first forward and the last backward of a step)."""
+    if execution.phase == "fwd":
+        run_block(execution, None, Block(tuple(order), ()))
+    else:
+        run_block(None, execution, Block((), tuple(order)))
