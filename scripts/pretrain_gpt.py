@@ -41,6 +41,8 @@ def train(args) -> int:
         init_megatron_parallel_state,
         init_process_group_from_env,
     )
+    from dhelix.file_formats import FormatError
+    from dhelix.runtime.setup import DHelixSetupError
     from dhelix.training import Trainer, format_step, step_record
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -52,7 +54,12 @@ def train(args) -> int:
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
         args.seed,
     )
-    trainer = Trainer.build(args)
+    try:
+        trainer = Trainer.build(args)
+    except (DHelixSetupError, FormatError) as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.load:
         try:
             load_checkpoint(trainer, args.load, load_optimizer=not args.no_load_optim,
@@ -68,13 +75,20 @@ def train(args) -> int:
               f" x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, "
               f"SP {'on' if args.sequence_parallel else 'off'}, "
               f"{args.num_microbatches} micro-batches of {args.micro_batch_size}", flush=True)
+        if trainer.dhelix is not None:
+            plan = trainer.dhelix.plan
+            print(f"dhelix: plan {trainer.dhelix.plan_source}: {len(plan.blocks)} blocks, "
+                  f"predicted layer speedup {plan.speedup:.3f}x", flush=True)
     log_file = open(args.log_json, "a") if (args.log_json and rank == 0) else None
     try:
         while trainer.iteration < args.train_iters:
             result = trainer.train_step()
             if rank == 0 and (result.iteration % args.log_interval == 0
                               or result.iteration == args.train_iters):
-                print(format_step(result, args.train_iters), flush=True)
+                line = format_step(result, args.train_iters)
+                if trainer.dhelix is not None:
+                    line += f" | dhelix plan predicts {trainer.dhelix.plan.speedup:.3f}x"
+                print(line, flush=True)
                 if log_file:
                     log_file.write(step_record(result) + "\n")
                     log_file.flush()

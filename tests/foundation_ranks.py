@@ -133,11 +133,13 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
         ref = build_trainer(args)
         ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
         dargs = tiny_args(tp=spec["tp"], sp=spec.get("sp", False),
-                          extra=base + ["--dhelix", "--dhelix-pairer", spec["pairer"]])
+                          extra=base + ["--dhelix", "--dhelix-pairer", spec["pairer"],
+                                        *spec.get("dhelix_extra", ())])
         trainer = build_trainer(dargs)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
         report[name] = {"rows": compare_steps(ref_steps, got),
                         "blocks": len(trainer.dhelix.plan.blocks),
+                        "plan_source": trainer.dhelix.plan_source,
                         "num_microbatches": dargs.num_microbatches}
     destroy_parallel_state()
     dist.barrier()

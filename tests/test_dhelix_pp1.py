@@ -3,6 +3,11 @@ pairer (sequential, Wavelet-style round robin, the DP), TP=2 and TP=4, SP on and
 Llama-style layer, losses and every gradient equal Megatron's no-pipelining schedule from
 the same weights and data, step after step. One launch per world size."""
 
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from dhelix.harness import run_on_ranks
@@ -28,6 +33,28 @@ CASES_TP4 = {
 }
 
 
+def make_plan_file(directory: Path, megatron_args: list) -> Path:
+    """The documented user flow: `dhelix ops --export-dag` prints the `dhelix plan` command
+    for the run; run it. Returns the plan path."""
+    ops = subprocess.run([sys.executable, "-m", "dhelix", "ops", *megatron_args,
+                          "--export-dag", str(directory)], capture_output=True, text=True,
+                         check=True, cwd=directory.parent, timeout=120)
+    command = ops.stdout.strip().splitlines()[-1].split("  [")[0].strip()
+    words = shlex.split(command)
+    assert words[:2] == ["dhelix", "plan"], ops.stdout
+    words[words.index("-o") + 1] = str(directory / "plan.json")
+    subprocess.run([sys.executable, "-m", "dhelix", *words[1:]], check=True, timeout=120,
+                   cwd=directory.parent, capture_output=True)
+    return directory / "plan.json"
+
+
+@pytest.fixture(scope="module")
+def plan_file_tp2(tmp_path_factory):
+    return make_plan_file(tmp_path_factory.mktemp("plan") / "dags",
+                          ["--preset", "tiny", "--tensor-model-parallel-size", "2",
+                           "--optimizer", "sgd"])
+
+
 def _launch(world, cases):
     report = run_on_ranks(dhelix_parity, world, cases, timeout_s=480,
                           env={"OMP_NUM_THREADS": "1"})[0]
@@ -40,8 +67,11 @@ def _launch(world, cases):
 
 
 @pytest.fixture(scope="module")
-def tp2():
-    return _launch(2, CASES_TP2)
+def tp2(plan_file_tp2):
+    cases = dict(CASES_TP2)
+    cases["tp2_plan_file"] = dict(tp=2, pairer="dp",
+                                  dhelix_extra=("--dhelix-plan", str(plan_file_tp2)))
+    return _launch(2, cases)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +88,35 @@ def _check(entry):
         assert row["param_diff"] < FP32_PARAM, row
 
 
-@pytest.mark.parametrize("name", sorted(CASES_TP2))
+@pytest.mark.parametrize("name", sorted(CASES_TP2) + ["tp2_plan_file"])
 def test_dhelix_matches_megatron_tp2(tp2, name):
     _check(tp2[name])
+
+
+def test_plan_file_is_used(tp2, plan_file_tp2):
+    assert tp2["tp2_plan_file"]["plan_source"] == f"file {plan_file_tp2}"
+
+
+def test_plan_for_another_layout_is_rejected(plan_file_tp2):
+    """A plan made for TP=2 without SP, checked against a TP=2 SP run: the error names the
+    differing fingerprint fields and the command that regenerates the plan."""
+    from dhelix.arguments import parse_args
+    from dhelix.ops.describe import LayerDescription
+    from dhelix.ops.layer_program import build_layer_programs
+    from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
+    from dhelix.topology import NodeTopology
+    from planner.plan import PlanMismatch, load_checked_plan
+
+    args = parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2",
+                       "--sequence-parallel"], world_size=2)
+    dags = build_layer_programs(
+        LayerDescription.from_args(args, topology=NodeTopology.detect(None), rank=0)).dags()
+    expected = {"model": model_fingerprint(args), "parallel": parallel_fingerprint(args)}
+    with pytest.raises(PlanMismatch) as info:
+        load_checked_plan(plan_file_tp2, expected, dags["fwd"], dags["bwd"])
+    text = str(info.value)
+    assert "parallel: plan has 'tp2-pp1-nosp', this run has 'tp2-pp1-sp'" in text
+    assert "dhelix plan" in text
 
 
 @pytest.mark.parametrize("name", sorted(CASES_TP4))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -114,5 +115,12 @@ def run(args) -> int:
         print(format_table(program))
     print("\n" + saved_summary(programs))
     if args.export_dag:
-        print(f"wrote {Path(args.export_dag) / 'fwd.json'} and {Path(args.export_dag) / 'bwd.json'}")
+        from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
+
+        out = Path(args.export_dag)
+        print(f"wrote {out / 'fwd.json'} and {out / 'bwd.json'}; plan this run with:")
+        print("  " + shlex.join([
+            "dhelix", "plan", "--fwd-dag", str(out / "fwd.json"), "--bwd-dag",
+            str(out / "bwd.json"), "--model", model_fingerprint(model_args), "--parallel",
+            parallel_fingerprint(model_args), "-o", "plan.json"]) + "  [--profile PROFILE]")
     return 0

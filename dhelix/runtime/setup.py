@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from megatron.core import parallel_state
 
 from dhelix.ops.runner import BoundLayer
+from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.lanes import Lanes, check_cuda_device_max_connections
 from dhelix.runtime.pp1_schedule import DHelixSchedule
 from megatron_patches.gpt_parts import GPTParts
@@ -30,21 +31,6 @@ log = logging.getLogger(__name__)
 
 class DHelixSetupError(ValueError):
     """`--dhelix` cannot run this configuration; the message says why and what to do."""
-
-
-def model_fingerprint(args) -> str:
-    """The model arguments a layer plan depends on, as one stable string."""
-    return (f"gpt-h{args.hidden_size}-ffn{args.ffn_hidden_size}-a{args.num_attention_heads}"
-            f"-g{args.num_query_groups}-s{args.seq_length}-b{args.micro_batch_size}"
-            f"-{args.normalization}-{args.position_embedding_type}"
-            f"-{'swiglu' if args.swiglu else 'gelu'}"
-            f"-{'nobias' if args.disable_bias_linear else 'bias'}"
-            f"-{'bf16' if args.bf16 else 'fp32'}")
-
-
-def parallel_fingerprint(args) -> str:
-    return (f"tp{args.tensor_model_parallel_size}-pp{args.pipeline_model_parallel_size}"
-            f"-{'sp' if args.sequence_parallel else 'nosp'}")
 
 
 def check_dhelix_supported(args) -> None:

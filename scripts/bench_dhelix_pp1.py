@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Side-by-side step time and peak memory: Megatron's no-pipelining schedule vs `--dhelix`
+(PP=1), same model, weights, data and launch, repetitions interleaved (A B A B ...) so
+machine noise hits both alike. Prints one table with the ratios.
+
+Local (spawned gloo ranks):
+    .venv/bin/python scripts/bench_dhelix_pp1.py --world-size 2 -- --preset tiny \
+        --tensor-model-parallel-size 2 --sequence-parallel
+Under torchrun (e.g. inside scripts/emulated_cluster.py, so TP crosses a shaped link):
+    torchrun ... scripts/bench_dhelix_pp1.py -- <the same Megatron arguments>
+
+Memory: peak bytes of tensor storage allocated by the compute thread during one
+forward/backward (`dhelix.memtrace`), for both schedules, next to the bound the runtime
+promises: Megatron's peak x 1.03 + one layer's saved activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _layer_activation_bytes(trainer) -> int:
+    """Bytes one layer's forward program holds for its backward (its saved activations)."""
+    import torch
+
+    schedule = trainer.dhelix.schedule
+    bound = schedule.bound_layers[0]
+    execution = bound.new_execution()
+    args = trainer.args
+    tp = args.tensor_model_parallel_size
+    seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
+    x = torch.zeros(seq, args.micro_batch_size, args.hidden_size)
+    rope = None
+    if args.position_embedding_type == "rope":
+        rope = schedule.parts.model.rotary_pos_emb(args.seq_length)
+    if schedule.lanes is not None:
+        schedule.lanes.attach(execution)
+    execution.begin_forward(x, None, rope)
+    for op in schedule.fwd_order:
+        execution.run(op)
+    execution.end_forward()
+    total, seen = 0, set()
+    for name in execution.live_values():
+        value = execution.get(name)
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def bench_body(ctx, megatron_args: list, repeats: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
+    from dhelix.arguments import parse_args
+    from dhelix.memtrace import measure_peak
+    from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
+        init_process_group_from_env
+    from dhelix.training import Trainer
+
+    init_process_group_from_env()
+    trainers = {}
+    for name, extra in (("megatron", []), ("dhelix", ["--dhelix"])):
+        args = parse_args(megatron_args + extra)
+        init_megatron_parallel_state(ParallelSizes(args.tensor_model_parallel_size,
+                                                   args.pipeline_model_parallel_size), args.seed)
+        trainers[name] = Trainer.build(args)
+    # Both trainers share one parallel state (same sizes); the second init rebuilt it, and
+    # each trainer keeps references to its own model and groups.
+    times = {name: [] for name in trainers}
+    for i in range(warmup + repeats):
+        for name, trainer in trainers.items():
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.train_step()
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                times[name].append(elapsed)
+    memory = {}
+    for name, trainer in trainers.items():
+        dist.barrier()
+        _, reading = measure_peak(trainer.forward_backward)
+        memory[name] = reading.compute_peak_bytes
+    plan = trainers["dhelix"].dhelix.plan
+    return {
+        "rank": ctx.rank,
+        "times": times,
+        "memory": memory,
+        "layer_activation_bytes": _layer_activation_bytes(trainers["dhelix"]),
+        "predicted_speedup": plan.speedup,
+        "plan_blocks": len(plan.blocks),
+        "plan_source": trainers["dhelix"].dhelix.plan_source,
+    }
+
+
+def report(results: list) -> dict:
+    """Slowest rank's median per system (collectives finish together), memory of rank 0."""
+    med = {name: max(statistics.median(r["times"][name]) for r in results)
+           for name in results[0]["times"]}
+    r0 = results[0]
+    bound = r0["memory"]["megatron"] * 1.03 + r0["layer_activation_bytes"]
+    summary = {
+        "step_s": med,
+        "speedup": med["megatron"] / med["dhelix"],
+        "peak_bytes": r0["memory"],
+        "layer_activation_bytes": r0["layer_activation_bytes"],
+        "memory_bound_bytes": bound,
+        "memory_within_bound": r0["memory"]["dhelix"] <= bound,
+        "memory_ratio": r0["memory"]["dhelix"] / r0["memory"]["megatron"],
+        "predicted_speedup": r0["predicted_speedup"],
+        "plan": f"{r0['plan_blocks']} blocks, {r0['plan_source']}",
+    }
+    print(f"{'system':<10} {'median step (ms)':>18} {'peak mem (MiB)':>16}")
+    for name in ("megatron", "dhelix"):
+        print(f"{name:<10} {med[name] * 1e3:>18.1f} {r0['memory'][name] / 2**20:>16.2f}")
+    print(f"speedup dhelix/megatron: {summary['speedup']:.3f}x (plan predicts "
+          f"{summary['predicted_speedup']:.3f}x; {summary['plan']})")
+    print(f"memory: dhelix/megatron {summary['memory_ratio']:.3f}; bound megatron x 1.03 + one "
+          f"layer ({r0['layer_activation_bytes'] / 2**20:.2f} MiB) = {bound / 2**20:.2f} MiB: "
+          f"{'within' if summary['memory_within_bound'] else 'EXCEEDED'}")
+    return summary
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks to spawn when not launched by torchrun")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", type=str, default=None, help="write the summary here")
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    margs = ns.megatron_args[1:] if ns.megatron_args[:1] == ["--"] else ns.megatron_args
+    if "RANK" in os.environ:  # under torchrun: every rank runs the body
+        from dhelix.harness import RankContext
+
+        result = bench_body(RankContext(int(os.environ["RANK"]),
+                                        int(os.environ["WORLD_SIZE"])),
+                            margs, ns.repeats, ns.warmup)
+        import torch.distributed as dist
+
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result)
+        if dist.get_rank() != 0:
+            return 0
+        results = everyone
+    else:
+        from dhelix.harness import run_on_ranks
+
+        results = run_on_ranks(bench_body, ns.world_size, margs, ns.repeats, ns.warmup,
+                               timeout_s=1800, env={"OMP_NUM_THREADS": "1"})
+    summary = report(results)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
