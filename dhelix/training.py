@@ -40,6 +40,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """Megatron forward_step: one micro-batch through this stage's model chunk."""
     batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     output = model(
         batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
     )

@@ -1,0 +1,20 @@
+"""Peak memory of one --dhelix forward/backward stays within Megatron's schedule's peak
+x 1.03 plus one layer's saved activations (tensor storage allocated by the compute thread,
+dhelix.memtrace), on the tiny preset with TP=2 + SP and 4 micro-batches."""
+
+from dhelix.harness import run_on_ranks
+from scripts.bench_dhelix_pp1 import bench_body
+
+
+def test_dhelix_peak_memory_within_bound():
+    args = ["--preset", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--seq-length", "128", "--max-position-embeddings", "128"]
+    results = run_on_ranks(bench_body, 2, args, 1, 0, timeout_s=480,
+                           env={"OMP_NUM_THREADS": "1"})
+    for r in results:
+        megatron, dhelix = r["memory"]["megatron"], r["memory"]["dhelix"]
+        bound = megatron * 1.03 + r["layer_activation_bytes"]
+        print(f"rank {r['rank']}: megatron {megatron / 2**20:.2f} MiB, dhelix "
+              f"{dhelix / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
+        assert megatron > 0 and r["layer_activation_bytes"] > 0
+        assert dhelix <= bound
