@@ -53,6 +53,23 @@ class TensorRef:
         return f"{kind}(mb{self.microbatch + 1},{self.direction}{self.hop})"
 
 
+def directed_passes(forward: Pass | None, backward: Pass | None) -> list[tuple[str, Pass]]:
+    """[(F, forward), (B, backward)] without the absent ones."""
+    out = []
+    if forward is not None:
+        out.append((FORWARD, forward))
+    if backward is not None:
+        out.append((BACKWARD, backward))
+    return out
+
+
+def compute_kind(forward: Pass | None, backward: Pass | None) -> str:
+    """F, B or SI for a computation with these passes."""
+    if forward is not None and backward is not None:
+        return "SI"
+    return "F" if forward is not None else "B"
+
+
 @dataclass(frozen=True)
 class Action:
     """One step of one rank's list; see the module docstring for the kinds."""
@@ -70,12 +87,7 @@ class Action:
 
     def passes(self) -> list[tuple[str, Pass]]:
         """(direction, pass) of the computation, forward first."""
-        out = []
-        if self.forward is not None:
-            out.append((FORWARD, self.forward))
-        if self.backward is not None:
-            out.append((BACKWARD, self.backward))
-        return out
+        return directed_passes(self.forward, self.backward)
 
     def to_dict(self) -> dict:
         out = {"kind": self.kind, "phase": self.phase}

@@ -58,12 +58,17 @@ def _formula_line(kind: str, p: int, m: int, costs) -> str:
     return line
 
 
+def _span(low: float, high: float) -> str:
+    return f"{low:g}" if low == high else f"{low:g}-{high:g}"
+
+
 TITLES = {"w": "DHelix W-shaped schedule (folded model)", "1f1b": "Megatron 1F1B",
           "sequential": "sequential folded reference"}
 
 
 def run_show(args) -> int:
     from dhelix.file_formats import write_versioned
+    from dhelix.schedules.activations import peak_live_activations
     from dhelix.schedules.render import draw_schedules_png, schedule_text
     from dhelix.schedules.simulate import Costs, DeadlockError, simulate
     from dhelix.schedules.validate import ScheduleError, validate
@@ -87,6 +92,9 @@ def run_show(args) -> int:
     for kind, schedule, result in panels:
         print()
         print(schedule_text(schedule, result))
+        live = peak_live_activations(schedule)
+        print("peak live activations per stage, in micro-batch stage passes: "
+              + ", ".join(_span(a, b) for a, b in zip(live.low, live.high)))
         formula = _formula_line(kind, args.pp, args.microbatches, costs)
         if formula:
             print(formula)

@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dhelix.schedules.actions import (
-    BACKWARD,
-    FORWARD,
     Action,
     Pass,
     PipelinePath,
     Schedule,
     TensorRef,
+    compute_kind,
+    directed_passes,
 )
 
 
@@ -43,17 +43,10 @@ class Task:
 
     @property
     def kind(self) -> str:
-        if self.forward is not None and self.backward is not None:
-            return "SI"
-        return "F" if self.forward is not None else "B"
+        return compute_kind(self.forward, self.backward)
 
     def parts(self) -> list[tuple[str, Pass]]:
-        out = []
-        if self.forward is not None:
-            out.append((FORWARD, self.forward))
-        if self.backward is not None:
-            out.append((BACKWARD, self.backward))
-        return out
+        return directed_passes(self.forward, self.backward)
 
 
 def _grouped(items: list[tuple[int, TensorRef]]) -> list[tuple[int, tuple]]:

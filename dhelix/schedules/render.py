@@ -36,26 +36,23 @@ def action_label(schedule: Schedule, action) -> str:
 
 def schedule_text(schedule: Schedule, result: SimulationResult | None = None,
                   width: int = 100) -> str:
-    """Each stage's computations in order (communication omitted), grouped by phase, and
-    the simulated makespan and bubble ratio when `result` is given."""
+    """Each stage's computations in execution order (communication omitted), and the
+    simulated makespan and bubble ratio when `result` is given."""
     lines = [f"{schedule.kind} schedule: p={schedule.num_stages} stages, "
              f"m={schedule.num_microbatches} micro-batches, {schedule.path.name} path "
              f"({schedule.path.chunks_per_stage} chunk(s) per stage)",
              "  F:x.cK forward of micro-batch x, chunk K; B: backward; F+B: an SI block"]
     for rank, actions in enumerate(schedule.ranks):
-        lines.append(f"stage {rank}:")
-        for phase in ("warmup", "steady", "cooldown"):
-            items = [action_label(schedule, a) for a in actions
-                     if a.is_compute and a.phase == phase]
-            if not items:
+        row = f"stage {rank}:"
+        for action in actions:
+            if not action.is_compute:
                 continue
-            row = f"  {phase:<8}"
-            for item in items:
-                if len(row) + len(item) + 1 > width:
-                    lines.append(row)
-                    row = " " * 10
-                row += " " + item
-            lines.append(row)
+            item = action_label(schedule, action)
+            if len(row) + len(item) + 1 > width:
+                lines.append(row)
+                row = " " * 8
+            row += " " + item
+        lines.append(row)
     if result is not None:
         lines.append(f"simulated makespan {result.makespan:.3f}, bubble ratio "
                      f"{result.bubble_ratio:.4f}")

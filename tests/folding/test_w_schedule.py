@@ -97,3 +97,17 @@ def test_1f1b_and_sequential_are_valid_and_shaped():
     seq = build_sequential_schedule(PipelinePath.folded(3), 2)
     validate(seq)
     assert all(a.kind in ("F", "B", "SEND", "RECV") for acts in seq.ranks for a in acts)
+
+
+def test_live_activations():
+    """W keeps p micro-batches' activations alive on every stage (1F1B's first stage, its
+    maximum over ranks), plus up to half a stage pass inside an SI block; 1F1B keeps p-s."""
+    from dhelix.schedules.activations import peak_live_activations
+
+    for p, m in ((2, 8), (4, 12), (8, 32)):
+        w = peak_live_activations(build_w_schedule(p, m))
+        assert w.low == (float(p),) * p
+        assert w.high == (p + 0.5,) * p
+        o = peak_live_activations(build_1f1b_schedule(p, m))
+        assert o.low == o.high == tuple(float(p - s) for s in range(p))
+        assert max(w.low) == max(o.high)
