@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from dhelix.checkpointing import load_checkpoint, save_checkpoint
 from dhelix.parallel import (
@@ -16,12 +17,13 @@ from dhelix.parallel import (
 )
 from dhelix.parity import gather_full_tensors, max_abs_diff
 from dhelix.schedules.actions import PipelinePath
+from dhelix.schedules.executor import sequential_si
 from dhelix.schedules.one_f_one_b import build_1f1b_schedule
 from dhelix.schedules.runner import make_forward_backward_func
 from dhelix.schedules.sequential import build_sequential_schedule
 from dhelix.schedules.w_schedule import build_w_schedule
 from dhelix.training import Trainer, reduce_loss_to_all_ranks
-from megatron_patches.folded_model import build_folded_model_chunks
+from megatron_patches.folded_model import FoldedModelError, build_folded_model_chunks
 from tests.foundation_ranks import tiny_args
 
 FOLDED_SCHEDULES = {
@@ -37,6 +39,33 @@ def _trainer(args, folded: bool) -> Trainer:
     if folded:
         return Trainer.build(args, model_builder=build_folded_model_chunks)
     return Trainer.build(args)
+
+
+def _stock_embedding_group_rejected(args) -> list:
+    """Build the folded model under Megatron's default embedding group (first and last
+    stage): [(stage, raised FoldedModelError)] of every rank."""
+    init_megatron_parallel_state(
+        ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
+        args.seed)
+    try:
+        build_folded_model_chunks(args)
+        raised = False
+    except FoldedModelError:
+        raised = True
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (parallel_state.get_pipeline_model_parallel_rank(), raised))
+    return everyone
+
+
+class CountingSI:
+    """An SI runner that counts the blocks it runs (forward, then backward)."""
+
+    def __init__(self):
+        self.blocks = 0
+
+    def __call__(self, run_forward, run_backward):
+        self.blocks += 1
+        sequential_si(run_forward, run_backward)
 
 
 def _fresh_step(trainer: Trainer, loss_on_first_stage: bool) -> tuple[float, dict]:
@@ -57,7 +86,9 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
       runs the sequential folded schedule and the W-shaped schedule (SI blocks executed
       forward-then-backward), each compared with the reference;
     - the folded model takes an SGD step and saves; a stock model with the `back` TP x PP
-      loads that checkpoint (params compared with the folded model's).
+      loads that checkpoint (params compared with the folded model's);
+    - building the folded model under Megatron's default embedding group (first and last
+      stage) is refused on the stages in that group.
 
     Returns {name: {measure: value}} on every rank.
     """
@@ -84,8 +115,10 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
         row["load_stock_param_diff"], _ = max_abs_diff(
             init_params, gather_full_tensors(folded.model, "param"))
         for sched_name, builder in FOLDED_SCHEDULES.items():
-            folded.forward_backward_func = make_forward_backward_func(builder)
+            counter = CountingSI()
+            folded.forward_backward_func = make_forward_backward_func(builder, si_runner=counter)
             loss, grads = _fresh_step(folded, loss_on_first_stage=True)
+            row[f"{sched_name}_si_blocks"] = counter.blocks
             row[f"{sched_name}_loss_diff"] = abs(loss - ref_loss)
             row[f"{sched_name}_grad_diff"], row[f"{sched_name}_grad_key"] = max_abs_diff(
                 ref_grads, grads)
@@ -101,6 +134,7 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
         load_checkpoint(back, root / "folded_step", load_optimizer=False)
         row["folded_to_stock_param_diff"], _ = max_abs_diff(
             stepped, gather_full_tensors(back.model, "param"))
+        row["stock_embedding_group"] = _stock_embedding_group_rejected(args)
         row["microbatches"] = args.num_microbatches
         row["pp"] = pp
         report[name] = row

@@ -68,6 +68,21 @@ def test_folded_matches_megatron_1f1b(report, case, schedule):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+def test_w_ran_si_blocks(report, case):
+    """Stage 0 (rank 0) runs 2(m-p) SI blocks in the W schedule, none sequentially."""
+    row = report[case]
+    assert row["w_si_blocks"] == 2 * (row["microbatches"] - row["pp"]) > 0
+    assert row["sequential_si_blocks"] == 0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_default_embedding_group_is_refused(report, case):
+    row = report[case]
+    for stage, raised in row["stock_embedding_group"]:
+        assert raised == (stage in (0, row["pp"] - 1)), row["stock_embedding_group"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_executor_reproduces_megatron_1f1b_exactly(report, case):
     row = report[case]
     assert row["exec_1f1b_loss_diff"] == 0.0
