@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "dhelix.env_report",
     "dhelix.ops.cli",
     "planner.cli",
+    "dhelix.schedules.cli",
 ]
 
 

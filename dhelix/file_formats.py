@@ -17,6 +17,7 @@ REGENERATE = {
     "dag": "dhelix ops --export-dag DIR",
     "profile": "dhelix profile ... (under torchrun)",
     "plan": "dhelix plan ...",
+    "schedule": "dhelix schedule show --pp P --microbatches M --json FILE",
 }
 
 

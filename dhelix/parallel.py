@@ -49,18 +49,29 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
-def init_megatron_parallel_state(sizes: ParallelSizes, seed: int) -> None:
+def folded_embedding_ranks(pp_ranks, *_unused) -> list:
+    """Embedding-group ranks of a folded model: the first stage only, because it holds both
+    the input embedding and the output layer (no cross-stage tied-weight sync)."""
+    return [pp_ranks[0]]
+
+
+def init_megatron_parallel_state(sizes: ParallelSizes, seed: int, folded: bool = False) -> None:
     """(Re)initialise Megatron's model-parallel groups and seed every RNG like Megatron does.
 
     Seeds: python/numpy/torch get `seed + 100 * pp_rank` (Megatron's `_set_random_seed`);
     the model-parallel RNG tracker is seeded by `model_parallel_cuda_manual_seed(seed')`.
+    `folded=True` (model folding, `dhelix.folding`) puts only the first pipeline stage in the
+    embedding group, so Megatron's tied-embedding sync and `finalize_model_grads` involve no
+    other stage; stock GPTModel chunks need the default (first and last stage).
     """
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     sizes.data_parallel_size(dist.get_world_size())  # raises on inconsistent sizes
+    extra = {"get_embedding_ranks": folded_embedding_ranks} if folded else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tensor_model_parallel_size,
         pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,
+        **extra,
     )
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)

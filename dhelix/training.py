@@ -78,8 +78,11 @@ class Trainer:
     _data_iterator: object = None
 
     @classmethod
-    def build(cls, args) -> "Trainer":
-        config, chunks = build_model_chunks(args)
+    def build(cls, args, model_builder: Callable = build_model_chunks) -> "Trainer":
+        """`model_builder(args) -> (config, [chunks])` builds this rank's model chunks
+        (default: stock GPTModel; `megatron_patches.folded_model.build_folded_model_chunks`
+        for the folded model)."""
+        config, chunks = model_builder(args)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16,
             overlap_grad_reduce=False,
@@ -174,15 +177,18 @@ class Trainer:
         )
 
 
-def reduce_loss_to_all_ranks(losses_reduced: list) -> float:
+def reduce_loss_to_all_ranks(losses_reduced: list, loss_on_first_stage: bool = False) -> float:
     """Mean 'lm loss' of the global batch, known on every rank.
 
-    Megatron's schedule returns the per-micro-batch dicts on the last pipeline stage only;
-    they are averaged over micro-batches, then over data-parallel ranks, and one rank
-    (last stage, TP rank 0, DP rank 0) contributes the result to a world all-reduce.
+    Megatron's schedule returns the per-micro-batch dicts on the last pipeline stage only
+    (on the first stage for a folded model: `loss_on_first_stage=True`); they are averaged
+    over micro-batches, then over data-parallel ranks, and one rank (that stage, TP rank 0,
+    DP rank 0) contributes the result to a world all-reduce.
     """
     value = torch.zeros(1, dtype=torch.float64)
-    if parallel_state.is_pipeline_last_stage():
+    has_loss = (parallel_state.is_pipeline_first_stage() if loss_on_first_stage
+                else parallel_state.is_pipeline_last_stage())
+    if has_loss:
         mean = torch.stack([d["lm loss"].double().reshape(()) for d in losses_reduced]).mean()
         mean = mean.reshape(1)
         dist.all_reduce(mean, group=parallel_state.get_data_parallel_group())

@@ -75,18 +75,22 @@ def layer_spec(config: TransformerConfig, args) -> ModuleSpec:
     return spec
 
 
+def final_norm_spec():
+    """The norm class after the last transformer layer (TE's on GPU with TE, else the SP-safe
+    torch norm)."""
+    if has_transformer_engine() and torch.cuda.is_available():
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return SequenceParallelTorchNorm
+
+
 def block_spec(config: TransformerConfig, args) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage: the layer spec for each local layer, final norm."""
     spec = layer_spec(config, args)
-    uses_te = has_transformer_engine() and torch.cuda.is_available()
-    if uses_te:
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        final_norm = TENorm
-    else:
-        final_norm = SequenceParallelTorchNorm
     num_local_layers = get_num_layers_to_build(config, vp_stage=None)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_local_layers, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_local_layers,
+                                      layer_norm=final_norm_spec())
 
 
 def build_gpt_model(config: TransformerConfig, args, pre_process: bool, post_process: bool,
