@@ -2,8 +2,8 @@
 Megatron's own forward/backward schedule (megatron-core 0.16 ships no `megatron.training`).
 
 `Trainer` owns the model chunks, the optimizer and the data iterator of one rank. The
-forward/backward function is a field, so a caller (later: `--dhelix`) can swap Megatron's
-schedule for another with the same signature without touching anything else.
+forward/backward function is a field: with `--dhelix` it is the DHelix schedule
+(`dhelix.runtime`), which has Megatron's signature, and nothing else changes.
 """
 
 from __future__ import annotations
