@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_BANDWIDTH = "800mbit"
+DEFAULT_BANDWIDTH = "250mbit"
 DEFAULT_LATENCY = "0ms"
 DEFAULT_TIMEOUT_S = 3600.0
 
