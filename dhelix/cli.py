@@ -15,6 +15,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "dhelix.env_report",
     "planner.cli",
+    "dhelix.cluster.cli",
 ]
 
 

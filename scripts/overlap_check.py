@@ -34,9 +34,9 @@ MODES = ("comm", "compute", "back_to_back", "overlapped")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mb", type=float, default=8.0,
-                        help="all_reduce payload in MB (default 8: ~0.3 s at the cluster's "
-                        "default 250mbit)")
+    parser.add_argument("--size-mb", type=float, default=16.0,
+                        help="all_reduce payload in MB (default 16: ~0.18 s at the cluster's "
+                        "default 800mbit)")
     parser.add_argument("--matrix", type=int, default=256,
                         help="side of the square matmuls (default 256)")
     parser.add_argument("--repeats", type=int, default=5,

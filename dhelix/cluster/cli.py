@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_BANDWIDTH = "250mbit"
+DEFAULT_BANDWIDTH = "800mbit"
 DEFAULT_LATENCY = "0ms"
 DEFAULT_TIMEOUT_S = 3600.0
+DESCRIPTION = (
+    "Run a torchrun command on N emulated nodes (network namespaces joined by shaped veth "
+    "links through a switch namespace). Needs root, ip and tc. Always removes what it "
+    "created, also on failure or Ctrl-C. See docs/emulated_cluster.md.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,16 +98,12 @@ def register(subparsers) -> None:
     """`dhelix cluster ...` (same options as scripts/emulated_cluster.py)."""
     parser = subparsers.add_parser(
         "cluster", help="run a torchrun command on an emulated multi-node cluster",
-        description=__doc__.split("\n\n")[0])
+        description=DESCRIPTION)
     add_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="emulated_cluster.py",
-        description="Run a torchrun command on N emulated nodes (network namespaces joined "
-        "by shaped veth links through a switch namespace). Needs root, ip and tc. Always "
-        "removes what it created, also on failure or Ctrl-C. See docs/emulated_cluster.md.")
+    parser = argparse.ArgumentParser(prog="emulated_cluster.py", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))

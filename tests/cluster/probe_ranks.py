@@ -20,37 +20,44 @@ from dhelix.cluster.host import find_tool  # noqa: E402
 NBYTES = int(os.environ.get("PROBE_NBYTES", 2 << 20))
 
 
+def best_time_s(action, repeats: int) -> float:
+    """Shortest of `repeats` runs of `action`, each started right after a barrier."""
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def transfer_s(src: int, dst: int, rank: int) -> float | None:
     """Best of two blocking send/recv of NBYTES, timed at the receiver."""
     buf = torch.zeros(NBYTES // 4)
-    best = None
-    for _ in range(2):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def action():
         if rank == src:
             dist.send(buf, dst)
         elif rank == dst:
             dist.recv(buf, src)
-        elapsed = time.perf_counter() - start
-        best = elapsed if best is None else min(best, elapsed)
+
+    best = best_time_s(action, 2)
     return best if rank == dst else None
 
 
 def round_trip_s(peer_a: int, peer_b: int, rank: int) -> float | None:
     """Best of three one-float ping-pongs between two ranks, timed at `peer_a`."""
     buf = torch.zeros(1)
-    best = None
-    for _ in range(3):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def action():
         if rank == peer_a:
             dist.send(buf, peer_b)
             dist.recv(buf, peer_b)
         elif rank == peer_b:
             dist.recv(buf, peer_a)
             dist.send(buf, peer_a)
-        elapsed = time.perf_counter() - start
-        best = elapsed if best is None else min(best, elapsed)
+
+    best = best_time_s(action, 3)
     return best if rank == peer_a else None
 
 

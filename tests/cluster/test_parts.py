@@ -69,8 +69,7 @@ def test_uplink_bandwidth_only_is_a_root_tbf():
     (command,) = uplink_commands("ns", "eth0", shape)
     assert command[:8] == ["-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle"]
     assert command[9:13] == ["tbf", "rate", "800000000bit", "burst"]
-    assert shape.burst_bytes == 32768  # the minimum: 0.25 ms at 800 Mbit/s is 25 kB
-    assert LinkShape(4_000_000_000).burst_bytes == 125_000  # 0.25 ms at 4 Gbit/s
+    assert shape.burst_bytes == 100_000  # 1 ms at 800 Mbit/s
     assert shape.queue_bytes == 5_000_000  # 50 ms
     assert downlink_commands("sw", "p0", shape) == [
         ["-n", "sw", "qdisc", "add", "dev", "p0", "root", "handle", "1:"] + command[9:]]
@@ -81,7 +80,7 @@ def test_uplink_latency_is_netem_with_tbf_child_and_minimums_hold():
     netem, tbf = uplink_commands("ns", "eth0", shape)
     assert netem[6:] == ["root", "handle", "1:", "netem", "delay", "1500us", "limit", "100000"]
     assert tbf[6:10] == ["parent", "1:1", "handle", "10:"]
-    assert shape.burst_bytes == 32768 and shape.queue_bytes == 256 * 1024
+    assert shape.burst_bytes == 16384 and shape.queue_bytes == 256 * 1024
     assert uplink_commands("ns", "eth0", LinkShape(None, 0.0015)) == [netem]
     assert uplink_commands("ns", "eth0", LinkShape(None)) == []
     assert downlink_commands("sw", "p0", LinkShape(None, 0.001)) == []
