@@ -126,7 +126,7 @@ class NodeGroup:
             )
             self.procs.append(proc)
             for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                pump = LinePump(source, sink.buffer, f"[n{node}] ")
+                pump = LinePump(source, sink, f"[n{node}] ")
                 pump.start()
                 self.pumps.append(pump)
 

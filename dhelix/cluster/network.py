@@ -62,8 +62,8 @@ def kill_namespace_processes(host: Host, namespace: str, sig: int = signal.SIGKI
 
 def remove_namespace(host: Host, namespace: str) -> str | None:
     """Kill every process inside `namespace`, then delete it (which destroys its interfaces
-    and their qdiscs) and its /etc/netns files. Returns None on success (also when it did not exist), else what
-    went wrong."""
+    and their qdiscs) and its /etc/netns files. Returns None on success (also when it did
+    not exist), else what went wrong."""
     left = kill_namespace_processes(host, namespace)
     if left:
         return f"{namespace}: processes {left} survived SIGKILL"

@@ -9,18 +9,32 @@ exited or were killed).
 from __future__ import annotations
 
 import threading
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 _WRITE_LOCK = threading.Lock()
 
 
-class LinePump(threading.Thread):
-    """Daemon thread copying `source` to `sink` with `prefix` before every line."""
+class _TextSink:
+    """Bytes in, text out: for a text stream without a binary buffer (e.g. StringIO)."""
 
-    def __init__(self, source: BinaryIO, sink: BinaryIO, prefix: str):
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode(errors="replace"))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class LinePump(threading.Thread):
+    """Daemon thread copying the binary pipe `source` to the text stream `sink` (through
+    its binary buffer where it has one) with `prefix` before every line."""
+
+    def __init__(self, source: BinaryIO, sink: TextIO, prefix: str):
         super().__init__(daemon=True, name=f"pump {prefix}")
         self.source = source
-        self.sink = sink
+        self.sink = getattr(sink, "buffer", None) or _TextSink(sink)
         self.prefix = prefix.encode()
 
     def run(self) -> None:

@@ -210,3 +210,17 @@ def test_overlap_summary():
     assert summary["speedup"] == pytest.approx(210 / 130)
     assert summary["ideal_speedup"] == pytest.approx(210 / 110)
     assert summary["hidden_fraction"] == pytest.approx((210 - 130) / 90)
+
+
+def test_line_pump_prefixes_whole_lines_into_text_or_binary_sinks():
+    import io
+
+    from dhelix.cluster.output import LinePump
+
+    for sink in (io.StringIO(), io.TextIOWrapper(io.BytesIO(), write_through=True)):
+        pump = LinePump(io.BytesIO(b"one\ntwo \xff\nlast"), sink, "[n1] ")
+        pump.start()
+        pump.join(timeout=5)
+        text = (sink.getvalue() if isinstance(sink, io.StringIO)
+                else sink.buffer.getvalue().decode(errors="replace"))
+        assert text == "[n1] one\n[n1] two \ufffd\n[n1] last\n"
