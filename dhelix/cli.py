@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "dhelix.ops.cli",
     "planner.cli",
     "dhelix.schedules.cli",
+    "dhelix.cluster.cli",
 ]
 
 

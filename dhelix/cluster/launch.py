@@ -1,0 +1,178 @@
+"""Run one `torchrun` per node namespace and supervise them as one job.
+
+Node i runs, inside its namespace,
+
+    torchrun --nnodes N --node-rank i --nproc-per-node R \
+             --master-addr <node 0 address> --master-port P  <command...>
+
+with gloo bound to the node's link (`GLOO_SOCKET_IFNAME=eth0`) and the topology exported to
+every rank (`DHELIX_NUM_NODES`, `DHELIX_RANKS_PER_NODE`, `DHELIX_NODE_RANK`). Ranks of one
+node reach each other over loopback: traffic between addresses of the same namespace never
+leaves it, so only cross-node traffic crosses the shaped link.
+
+Supervision (`NodeGroup.wait`): the first node that exits non-zero decides the exit code
+(a signal death counts as 128 + signal), and the other nodes are stopped at once instead
+of waiting on a collective that will never complete; if the overall timeout expires first
+the exit code is 124 (as with timeout(1)). `NodeGroup.stop()` sends SIGTERM to every
+torchrun still running (torchrun passes it on to its ranks), waits a grace period, then
+SIGKILLs them. Processes torchrun did not take down are left to `EmulatedNetwork.down()`,
+which kills whatever is still inside the namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dhelix.cluster.host import ClusterError, Host
+from dhelix.cluster.naming import NODE_IFNAME, RunNames
+from dhelix.cluster.output import LinePump
+
+TIMEOUT_EXIT_CODE = 124
+POLL_S = 0.05
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def find_torchrun(explicit: str | None = None) -> str:
+    """`explicit` if given, else the repository's `.venv/bin/torchrun`, else the torchrun
+    next to this Python, else the one on PATH. ClusterError if none is executable."""
+    candidates = [explicit] if explicit else [
+        str(REPO_ROOT / ".venv" / "bin" / "torchrun"),
+        str(Path(sys.executable).with_name("torchrun")),
+    ]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK) and os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    if not explicit:
+        from shutil import which
+
+        found = which("torchrun")
+        if found:
+            return found
+    raise ClusterError(f"torchrun not found (tried {', '.join(filter(None, candidates))} "
+                       "and PATH); run scripts/install.sh or pass --torchrun PATH")
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    """What every node runs: the user's command under torchrun, and the rank environment."""
+
+    command: list[str]
+    ranks_per_node: int
+    nodes: int
+    torchrun: str
+    master_port: int = 29500
+    threads_per_rank: int | None = None
+    extra_env: dict = field(default_factory=dict)
+
+    def argv(self, node: int) -> list[str]:
+        return [self.torchrun, "--nnodes", str(self.nodes), "--node-rank", str(node),
+                "--nproc-per-node", str(self.ranks_per_node),
+                "--master-addr", RunNames.node_address(0),
+                "--master-port", str(self.master_port), *self.command]
+
+    def environment(self, node: int, base: dict | None = None) -> dict:
+        env = dict(os.environ if base is None else base)
+        env.update(self.extra_env)
+        env.update(
+            GLOO_SOCKET_IFNAME=NODE_IFNAME,
+            DHELIX_NUM_NODES=str(self.nodes),
+            DHELIX_RANKS_PER_NODE=str(self.ranks_per_node),
+            DHELIX_NODE_RANK=str(node),
+            PYTHONUNBUFFERED="1",
+        )
+        threads = self.threads_per_rank or default_threads_per_rank(
+            self.nodes * self.ranks_per_node)
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        return env
+
+
+def default_threads_per_rank(world_size: int) -> int:
+    """All emulated nodes share this host's cores: split them evenly, at least one each."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def exit_code_of(returncode: int) -> int:
+    """A Popen return code as a shell exit code (death by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class NodeGroup:
+    """The torchrun processes of one run, one per node namespace (see module docstring)."""
+
+    def __init__(self, host: Host, names: RunNames, job: NodeJob, grace_s: float = 5.0,
+                 log=None):
+        self.host = host
+        self.names = names
+        self.job = job
+        self.grace_s = grace_s
+        self.log = log or (lambda message: print(f"[cluster] {message}", file=sys.stderr,
+                                                 flush=True))
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[LinePump] = []
+
+    def start(self) -> None:
+        for node in range(self.job.nodes):
+            proc = subprocess.Popen(
+                self.host.netns_exec(self.names.node_ns(node)) + self.job.argv(node),
+                env=self.job.environment(node), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,  # our own process group: stop() signals it whole
+            )
+            self.procs.append(proc)
+            for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                pump = LinePump(source, sink, f"[n{node}] ")
+                pump.start()
+                self.pumps.append(pump)
+
+    def wait(self, timeout_s: float | None) -> int:
+        """Block until all nodes succeeded (0), one failed (its code) or time ran out (124).
+        Does not stop the remaining nodes: call `stop()` (the runner always does)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            for node, code in enumerate(codes):
+                if code not in (None, 0):
+                    self.log(f"node {node} exited with code {exit_code_of(code)}; "
+                             "stopping the other nodes")
+                    return exit_code_of(code)
+            if all(code == 0 for code in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                running = [n for n, code in enumerate(codes) if code is None]
+                self.log(f"timeout after {timeout_s:g} s with nodes {running} still running; "
+                         "stopping them")
+                return TIMEOUT_EXIT_CODE
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """SIGTERM every running torchrun, SIGKILL after the grace period, reap them all,
+        and let the output pumps drain (idempotent)."""
+        running = [proc for proc in self.procs if proc.poll() is None]
+        for proc in running:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
+    def join_output(self, timeout_s: float = 5.0) -> None:
+        """Wait for the output pumps (call after the namespaces are empty)."""
+        deadline = time.monotonic() + timeout_s
+        for pump in self.pumps:
+            pump.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
