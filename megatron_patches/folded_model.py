@@ -259,7 +259,7 @@ def build_folded_model_chunks(args) -> tuple[TransformerConfig, list]:
     model = FoldedGPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config, args),
-        final_norm=final_norm_spec(),
+        final_norm=final_norm_spec(args),
         layout=layout,
         stage=parallel_state.get_pipeline_model_parallel_rank(),
         vocab_size=args.padded_vocab_size,

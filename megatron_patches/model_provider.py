@@ -63,9 +63,16 @@ def transformer_config_from_args(args) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
+def uses_transformer_engine(args) -> bool:
+    """TE's layer spec on a CUDA machine with TE installed, except with `--dhelix`: the
+    operator programs run megatron-core's local (torch-native) spec, on GPU as on CPU."""
+    return (has_transformer_engine() and torch.cuda.is_available()
+            and not getattr(args, "dhelix", False))
+
+
 def layer_spec(config: TransformerConfig, args) -> ModuleSpec:
     """The transformer-layer spec used for every layer of the model."""
-    if has_transformer_engine() and torch.cuda.is_available():
+    if uses_transformer_engine(args):
         return get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=False, normalization=args.normalization
         )
@@ -75,10 +82,10 @@ def layer_spec(config: TransformerConfig, args) -> ModuleSpec:
     return spec
 
 
-def final_norm_spec():
-    """The norm class after the last transformer layer (TE's on GPU with TE, else the SP-safe
-    torch norm)."""
-    if has_transformer_engine() and torch.cuda.is_available():
+def final_norm_spec(args):
+    """The norm class after the last transformer layer (TE's when `uses_transformer_engine`,
+    else the SP-safe torch norm)."""
+    if uses_transformer_engine(args):
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
@@ -90,7 +97,7 @@ def block_spec(config: TransformerConfig, args) -> TransformerBlockSubmodules:
     spec = layer_spec(config, args)
     num_local_layers = get_num_layers_to_build(config, vp_stage=None)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_local_layers,
-                                      layer_norm=final_norm_spec())
+                                      layer_norm=final_norm_spec(args))
 
 
 def build_gpt_model(config: TransformerConfig, args, pre_process: bool, post_process: bool,
