@@ -38,7 +38,6 @@ import threading
 
 import torch
 
-_APPLIED = False
 _LOCK = threading.Lock()
 
 _CPU = torch.device("cpu")
@@ -186,8 +185,9 @@ def _patch_cuda_api() -> None:
 
 
 def cpu_shims_active() -> bool:
-    """True once `apply_cpu_shims` has installed the shims in this process."""
-    return _APPLIED
+    """True once `apply_cpu_shims` has installed the shims in this process (read off the
+    patch itself: the wrapped factory functions keep their original)."""
+    return hasattr(torch.empty, "__dhelix_original__")
 
 
 def apply_cpu_shims() -> bool:
@@ -196,11 +196,10 @@ def apply_cpu_shims() -> bool:
     Returns True when the shims are (now) active, False on a CUDA machine where nothing is
     changed. Must run before the first megatron-core model or optimizer is built.
     """
-    global _APPLIED
     if torch.cuda.is_available():
         return False
     with _LOCK:
-        if _APPLIED:
+        if cpu_shims_active():
             return True
         from megatron_patches.compat import check_supported_megatron
         from megatron_patches.rng import install_cpu_rng_tracker
@@ -208,6 +207,6 @@ def apply_cpu_shims() -> bool:
         check_supported_megatron()
         _patch_cuda_api()
         install_cpu_rng_tracker()
+        # Last: cpu_shims_active() turns True only once everything is installed.
         wrap_device_entry_points()
-        _APPLIED = True
         return True
