@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from dhelix.file_formats import FormatError, read_versioned, write_versioned
+from dhelix.file_formats import read_parsed, write_versioned
 
 DAG_FORMAT_VERSION = 1
 KINDS = ("comp", "comm")
@@ -140,8 +140,4 @@ def save_dag(dag: OpDAG, path) -> None:
 
 
 def load_dag(path) -> OpDAG:
-    document = read_versioned(path, "dag", DAG_FORMAT_VERSION)
-    try:
-        return OpDAG.from_dict(document)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"{path}: invalid operator DAG ({exc})") from exc
+    return read_parsed(path, "dag", DAG_FORMAT_VERSION, OpDAG.from_dict)

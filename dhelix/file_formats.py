@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 # What regenerates each kind of file; quoted in error messages.
 REGENERATE = {
@@ -71,3 +72,18 @@ def read_versioned(path: str | os.PathLike, kind: str, version: int) -> dict:
             f"(this dhelix reads version {version}){_hint(kind)}"
         )
     return document
+
+
+def read_parsed(path: str | os.PathLike, kind: str, version: int,
+                parse: Callable[[dict], object],
+                regenerate: Callable[[dict], str] | None = None):
+    """`read_versioned`, then `parse(document)`. A KeyError, TypeError or ValueError from
+    `parse` becomes a FormatError naming the file, the problem and the command that
+    regenerates it (`regenerate(document)` if given, else the kind's REGENERATE entry)."""
+    document = read_versioned(path, kind, version)
+    try:
+        return parse(document)
+    except (KeyError, TypeError, ValueError) as exc:
+        command = regenerate(document) if regenerate else REGENERATE.get(kind)
+        hint = f"; regenerate it with `{command}`" if command else ""
+        raise FormatError(f"{path}: invalid dhelix-{kind} ({exc}){hint}") from exc

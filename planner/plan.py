@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dhelix.dag import OpDAG, topological_violation
-from dhelix.file_formats import FormatError, read_versioned, write_versioned
+from dhelix.file_formats import FormatError, read_parsed, write_versioned
 
 PLAN_FORMAT_VERSION = 1
 FINGERPRINT_FIELDS = ("model", "parallel", "hardware", "profile_sha", "dag_sha")
@@ -235,12 +235,8 @@ def save_plan(plan: Plan, path) -> Path:
 
 def load_plan(path) -> Plan:
     """Read and validate a dhelix-plan v1 file; FormatError names the file and the problem."""
-    document = read_versioned(path, "plan", PLAN_FORMAT_VERSION)
-    try:
-        return plan_from_document(document)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise FormatError(f"{path}: invalid dhelix-plan ({exc}); regenerate it with "
-                          f"`{regenerate_command(document)}`") from exc
+    return read_parsed(path, "plan", PLAN_FORMAT_VERSION, plan_from_document,
+                       regenerate=regenerate_command)
 
 
 def load_checked_plan(path, expected: dict, fwd: OpDAG | None = None,

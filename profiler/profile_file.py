@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dhelix.file_formats import REGENERATE, FormatError, read_versioned, write_versioned
+from dhelix.file_formats import read_parsed, write_versioned
 
 PROFILE_FORMAT_VERSION = 1
 PAIR_SEPARATOR = "|"
@@ -156,11 +156,4 @@ def save_profile(profile: Profile, path) -> Path:
 
 def load_profile(path) -> Profile:
     """Read and validate a dhelix-profile v1 file; FormatError names the file and the problem."""
-    document = read_versioned(path, "profile", PROFILE_FORMAT_VERSION)
-    try:
-        return profile_from_document(document)
-    except ValueError as exc:
-        raise FormatError(
-            f"{path}: invalid dhelix-profile ({exc}); regenerate it with "
-            f"`{REGENERATE['profile']}`"
-        ) from exc
+    return read_parsed(path, "profile", PROFILE_FORMAT_VERSION, profile_from_document)
