@@ -156,21 +156,27 @@ class Trainer:
             forward_only=False,
         )
 
+    def optimizer_step(self) -> float:
+        """Apply the optimizer to the finalised grads, then advance `iteration` and
+        `consumed_samples`. Returns the grad norm (nan when the optimizer reports none)."""
+        _, grad_norm, _ = self.optimizer.step()
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
     def train_step(self) -> StepResult:
         """One iteration: forward/backward over the global batch, then the optimizer step."""
         start = time.perf_counter()
         losses = self.forward_backward()
-        _, grad_norm, _ = self.optimizer.step()
+        grad_norm = self.optimizer_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        self.iteration += 1
-        self.consumed_samples += self.args.global_batch_size
         tokens = self.args.global_batch_size * self.args.seq_length
         return StepResult(
             iteration=self.iteration,
             loss=reduce_loss_to_all_ranks(losses),
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            grad_norm=grad_norm,
             step_time_s=elapsed,
             tokens_per_s=tokens / elapsed,
             peak_memory_bytes=peak_memory_bytes(),

@@ -43,9 +43,7 @@ def observed_step(trainer: Trainer, with_grads: bool) -> dict:
     optimizer step."""
     losses = trainer.forward_backward()
     grads = gather_full_tensors(trainer.model, "grad") if with_grads else None
-    trainer.optimizer.step()
-    trainer.iteration += 1
-    trainer.consumed_samples += trainer.args.global_batch_size
+    trainer.optimizer_step()
     return {
         "loss": reduce_loss_to_all_ranks(losses),
         "grads": grads,
