@@ -259,6 +259,11 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--data-path {ns.data_path}: no such file")
     if ns.save_interval is not None and ns.save_interval < 1:
         raise ArgumentError("--save-interval must be >= 1")
+    if ns.dhelix and pp > 1 and ns.num_layers % (2 * pp) != 0:
+        raise ArgumentError(
+            f"--dhelix with --pipeline-model-parallel-size {pp} folds the layers into a U "
+            f"(two chunks per stage): --num-layers {ns.num_layers} must be a multiple of "
+            f"2 x {pp} = {2 * pp}")
     for flag in ("dhelix_plan", "dhelix_profile"):
         path = getattr(ns, flag)
         if path is not None and not ns.dhelix:

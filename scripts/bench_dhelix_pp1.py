@@ -31,20 +31,17 @@ def _layer_activation_bytes(trainer) -> int:
     """Bytes one layer's forward program holds for its backward (its saved activations)."""
     import torch
 
-    schedule = trainer.dhelix.schedule
-    bound = schedule.bound_layers[0]
-    execution = bound.new_execution()
+    runner = trainer.dhelix.runner
+    execution = runner.new_execution(0)
     args = trainer.args
     tp = args.tensor_model_parallel_size
     seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
     x = torch.zeros(seq, args.micro_batch_size, args.hidden_size)
     rope = None
     if args.position_embedding_type == "rope":
-        rope = schedule.parts.model.rotary_pos_emb(args.seq_length)
-    if schedule.lanes is not None:
-        schedule.lanes.attach(execution)
+        rope = trainer.dhelix.parts.model.rotary_pos_emb(args.seq_length)
     execution.begin_forward(x, None, rope)
-    for op in schedule.fwd_order:
+    for op in runner.fwd_order:
         execution.run(op)
     execution.end_forward()
     total, seen = 0, set()

@@ -42,6 +42,7 @@ def train(args) -> int:
         init_process_group_from_env,
     )
     from dhelix.file_formats import FormatError
+    from dhelix.folding import uses_folded_model
     from dhelix.runtime.setup import DHelixSetupError
     from dhelix.training import Trainer, format_step, step_record
 
@@ -52,7 +53,7 @@ def train(args) -> int:
     rank = dist.get_rank()
     init_megatron_parallel_state(
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
-        args.seed,
+        args.seed, folded=uses_folded_model(args),
     )
     try:
         trainer = Trainer.build(args)
