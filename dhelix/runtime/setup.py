@@ -6,6 +6,14 @@ Plan sources, in order: `--dhelix-plan PATH` (checked: model, parallel layout an
 DAGs must match this run, and the profile too when `--dhelix-profile` is given); else a plan
 built now with the DP pairer from `--dhelix-profile` (or the planner's analytic default
 costs without one). `--dhelix-pairer sequential|round_robin` builds a baseline plan instead.
+
+Benchmark baselines built from the same machinery:
+- `--dhelix-pairer domino`: Domino-style intra-batch split (no micro-batch pairs; each
+  micro-batch's two batch halves co-executed layer by layer with a staggered pairing, see
+  `runtime.intra_batch_schedule`); needs an even `--micro-batch-size`.
+- `--dhelix-commfree-timing-only`: every TP collective of the layers becomes a no-op with the
+  right output shape (`dhelix.ops.collectives.NoOpCollectives`). TIMING ONLY, WRONG
+  NUMERICS: the communication-free bound of the benchmark, never a training mode.
 """
 
 from __future__ import annotations
@@ -18,15 +26,23 @@ from megatron.core import parallel_state
 
 from dhelix.ops.runner import BoundLayer
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
+from dhelix.runtime.intra_batch_schedule import IntraBatchSplitSchedule
 from dhelix.runtime.lanes import Lanes, check_cuda_device_max_connections
 from dhelix.runtime.pp1_schedule import DHelixSchedule
 from megatron_patches.gpt_parts import GPTParts
+from planner.baselines import staggered_pairing
+from planner.blocks import check_pairing
 from planner.build import make_plan
 from planner.costs import build_cost_model
 from planner.plan import load_checked_plan
 from profiler.profile_file import load_profile
 
 log = logging.getLogger(__name__)
+
+DOMINO = "domino"
+COMMFREE_WARNING = ("--dhelix-commfree-timing-only: every TP collective of the layers is a "
+                    "no-op - timing only, wrong numerics (the benchmark's communication-free "
+                    "bound; never use it to train)")
 
 
 class DHelixSetupError(ValueError):
@@ -43,20 +59,46 @@ def check_dhelix_supported(args) -> None:
         raise DHelixSetupError(
             "--dhelix needs --hidden-dropout 0 --attention-dropout 0 (two interleaved strands "
             "would draw dropout masks in a different order than Megatron)")
-    if args.num_microbatches < 2:
+    if args.dhelix_pairer == DOMINO and args.micro_batch_size % 2:
+        raise DHelixSetupError(
+            f"--dhelix-pairer domino splits each micro-batch in two halves along the batch "
+            f"dimension: --micro-batch-size must be even (got {args.micro_batch_size})")
+    if args.dhelix_pairer == DOMINO and (args.dhelix_plan or args.dhelix_profile):
+        raise DHelixSetupError("--dhelix-pairer domino does no planning: drop --dhelix-plan "
+                               "and --dhelix-profile")
+    if args.num_microbatches < 2 and args.dhelix_pairer != DOMINO:
         log.warning("--dhelix with one micro-batch has nothing to pair: it runs F(1) then "
                     "B(1); raise --global-batch-size for overlap")
 
 
 @dataclass
 class DHelixSetup:
+    """The schedule and where its pairing came from. `plan` is None for the Domino-style
+    split (no planner plan); `timing_only` is True for the communication-free bound."""
+
     schedule: DHelixSchedule
     plan: object
     plan_source: str
+    timing_only: bool = False
 
     @property
     def forward_backward_func(self):
         return self.schedule.forward_backward
+
+    @property
+    def predicted_speedup(self):
+        """The plan's predicted layer speedup, None without a plan."""
+        return self.plan.speedup if self.plan is not None else None
+
+    def describe(self) -> str:
+        """One line for logs: plan source, block count, predicted speedup, timing-only mark."""
+        blocks = len(self.plan.blocks) if self.plan is not None else len(self.schedule.blocks)
+        line = f"plan {self.plan_source}: {blocks} blocks"
+        if self.predicted_speedup is not None:
+            line += f", predicted layer speedup {self.predicted_speedup:.3f}x"
+        if self.timing_only:
+            line += " [TIMING ONLY, WRONG NUMERICS: collectives are no-ops]"
+        return line
 
 
 def _resolve_plan(args, fwd, bwd):
@@ -83,9 +125,14 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
     check_cuda_device_max_connections()
     if len(model_chunks) != 1:
         raise DHelixSetupError("--dhelix does not support virtual pipeline chunks")
+    timing_only = bool(getattr(args, "dhelix_commfree_timing_only", False))
+    if timing_only:
+        log.warning(COMMFREE_WARNING)
     parts = GPTParts(model_chunks[0])
     rope = args.position_embedding_type == "rope"
-    bound = [BoundLayer(layer, args.seq_length, args.micro_batch_size, rope=rope)
+    domino = args.dhelix_pairer == DOMINO
+    layer_batch = args.micro_batch_size // 2 if domino else args.micro_batch_size
+    bound = [BoundLayer(layer, args.seq_length, layer_batch, rope=rope)
              for layer in parts.layers]
     dags = bound[0].programs.dags()
     for layer in bound[1:]:
@@ -93,9 +140,20 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
             raise DHelixSetupError("--dhelix needs identical layers (one plan serves all)")
     lanes = None
     if args.tensor_model_parallel_size > 1:
-        lanes = Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()})
+        lanes = Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()},
+                            no_comm_timing_only=timing_only)
+    if domino:
+        fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
+        bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
+        schedule = IntraBatchSplitSchedule(
+            parts=parts, bound_layers=bound, lanes=lanes, fwd_order=tuple(fwd.fwd_order),
+            bwd_order=tuple(bwd.fwd_order), blocks=fwd.blocks, bwd_blocks=bwd.blocks)
+        source = "domino: intra-batch split, staggered halves, no planning"
+        return DHelixSetup(schedule=schedule, plan=None, plan_source=source,
+                           timing_only=timing_only)
     plan, source = _resolve_plan(args, dags["fwd"], dags["bwd"])
     schedule = DHelixSchedule(parts=parts, bound_layers=bound, lanes=lanes,
                               fwd_order=tuple(plan.fwd_order), bwd_order=tuple(plan.bwd_order),
                               blocks=tuple(plan.blocks))
-    return DHelixSetup(schedule=schedule, plan=plan, plan_source=source)
+    return DHelixSetup(schedule=schedule, plan=plan, plan_source=source,
+                       timing_only=timing_only)
