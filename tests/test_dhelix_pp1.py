@@ -139,7 +139,8 @@ def test_domino_needs_an_even_micro_batch():
     from dhelix.runtime.setup import DHelixSetupError, check_dhelix_supported
 
     args = parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2", "--dhelix",
-                       "--dhelix-pairer", "domino", "--micro-batch-size", "1"], world_size=2)
+                       "--dhelix-pairer", "domino", "--micro-batch-size", "3",
+                       "--global-batch-size", "6"], world_size=2)
     with pytest.raises(DHelixSetupError, match="--micro-batch-size must be even"):
         check_dhelix_supported(args)
 

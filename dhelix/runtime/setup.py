@@ -51,6 +51,9 @@ class DHelixSetupError(ValueError):
 
 def check_dhelix_supported(args) -> None:
     """Refuse configurations the PP=1 DHelix runtime does not handle (before building)."""
+    if args.dhelix_pairer == DOMINO and args.pipeline_model_parallel_size != 1:
+        raise DHelixSetupError("--dhelix-pairer domino (intra-batch split) runs without "
+                               "pipelining; use --pipeline-model-parallel-size 1")
     if args.pipeline_model_parallel_size != 1:
         raise DHelixSetupError(
             "--dhelix with --pipeline-model-parallel-size > 1 needs the folded W-shaped "
