@@ -143,6 +143,13 @@ def orchestrate(ns) -> int:
     model = ns.model_args or (QUICK_MODEL if ns.quick else DEFAULT_MODEL)
     bandwidths = per_config(ns.bandwidth, "--bandwidth", configs)
     profiles = per_config(ns.dhelix_profile, "--dhelix-profile", configs)
+    for name, path in profiles.items():
+        if path is not None:
+            if not Path(path).is_file():
+                print(f"error: --dhelix-profile {path} (configuration {name}): no such file",
+                      file=sys.stderr)
+                return 2
+            profiles[name] = str(Path(path).resolve())  # the worker runs in the repository
     out = Path(ns.out).resolve()
     raw_dir = out / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
