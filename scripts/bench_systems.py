@@ -99,7 +99,8 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
         if code == 0 and raw_path.is_file():
             ranks = json.loads(raw_path.read_text())["ranks"]
         print(f"[bench] ({config.name}) {status}; cleanup {cleanup}", flush=True)
-    raw = {"config": config.name, "ranks": ranks, "tokens_per_step": _tokens_per_step(base, config.world_size),
+    raw = {"config": config.name, "ranks": ranks,
+           "tokens_per_step": _tokens_per_step(base, config.world_size),
            "runs": {name: {"label": run.label, "unavailable": run.unavailable,
                            "timing_only": run.system.timing_only, "args": run.args}
                     for name, run in runs.items()}}

@@ -4,14 +4,18 @@ Every system is the same `pretrain_gpt` training (same model, seed, so same init
 same data) with a few extra arguments; all but Megatron run on dhelix's operator programs
 and strand executor (`dhelix.runtime`), so the baselines are options of one code path:
 
-| system | arguments | what runs |
-| --- | --- | --- |
-| megatron | (none) | megatron-core's own schedule (no pipelining, or 1F1B with PP>1) |
-| commfree | --dhelix --dhelix-pairer sequential --dhelix-commfree-timing-only | the operator programs in sequence, every layer collective a no-op: TIMING ONLY |
-| ops_sequential | --dhelix --dhelix-pairer sequential | the operator programs in sequence with real collectives (reference: how close the programs' compute is to Megatron's) |
-| domino | --dhelix --dhelix-pairer domino | Domino-style intra-batch split: two batch halves per layer, staggered |
-| wavelet | --dhelix --dhelix-pairer round_robin | Wavelet-style: micro-batch pairs, round-robin operator interleaving, no planning |
-| dhelix | --dhelix --dhelix-pairer dp [--dhelix-profile P] | DHelix: micro-batch pairs, DP plan from the profile (or analytic costs) |
+- megatron: no extra arguments; megatron-core's own schedule (no pipelining, or 1F1B with
+  PP>1).
+- commfree: `--dhelix --dhelix-pairer sequential --dhelix-commfree-timing-only`; the
+  operator programs in sequence, every layer collective a no-op. TIMING ONLY.
+- ops_sequential: `--dhelix --dhelix-pairer sequential`; the same with real collectives (a
+  reference: how close the programs' compute is to Megatron's).
+- domino: `--dhelix --dhelix-pairer domino`; Domino-style intra-batch split, two batch halves
+  per layer, staggered.
+- wavelet: `--dhelix --dhelix-pairer round_robin`; micro-batch pairs, round-robin operator
+  interleaving, no planning.
+- dhelix: `--dhelix --dhelix-pairer dp [--dhelix-profile P]`; micro-batch pairs with the DP
+  plan from the profile (or from analytic costs, labelled so).
 
 A system is "n/a" in a configuration when the runtime refuses it there
 (`check_dhelix_supported`): with PP>1 until `--dhelix` supports pipelining, the reason reads
@@ -39,7 +43,8 @@ SYSTEMS = (
            timing_only=True),
     System("ops_sequential", "operator programs, sequential",
            ("--dhelix", "--dhelix-pairer", "sequential")),
-    System("domino", "Domino-style (intra-batch split)", ("--dhelix", "--dhelix-pairer", "domino")),
+    System("domino", "Domino-style (intra-batch split)",
+           ("--dhelix", "--dhelix-pairer", "domino")),
     System("wavelet", "Wavelet-style (round robin)", ("--dhelix", "--dhelix-pairer", "round_robin")),
     System("dhelix", "DHelix", ("--dhelix", "--dhelix-pairer", "dp"), uses_profile=True),
 )
