@@ -45,7 +45,8 @@ SYSTEMS = (
            ("--dhelix", "--dhelix-pairer", "sequential")),
     System("domino", "Domino-style (intra-batch split)",
            ("--dhelix", "--dhelix-pairer", "domino")),
-    System("wavelet", "Wavelet-style (round robin)", ("--dhelix", "--dhelix-pairer", "round_robin")),
+    System("wavelet", "Wavelet-style (round robin)",
+           ("--dhelix", "--dhelix-pairer", "round_robin")),
     System("dhelix", "DHelix", ("--dhelix", "--dhelix-pairer", "dp"), uses_profile=True),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
