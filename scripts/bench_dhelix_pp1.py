@@ -55,10 +55,21 @@ def _layer_activation_bytes(trainer) -> int:
     return total
 
 
-def bench_body(ctx, megatron_args: list, repeats: int, warmup: int) -> dict:
+DEFAULT_SYSTEMS = {"megatron": [], "dhelix": ["--dhelix"]}
+
+
+def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
+               systems: dict | None = None) -> dict:
+    """Every rank: build one trainer per system (`systems`: name -> extra arguments added
+    to `megatron_args`; default Megatron and `--dhelix`) from the same seed, so the same
+    initial weights and data; then `warmup` + `repeats` rounds, each one training step of
+    every system in turn (interleaved, behind a barrier), then one measured forward/backward
+    per system for peak memory. Returns this rank's step times (measured rounds only), peak
+    bytes and, per system using the DHelix runtime, its plan description."""
     import torch.distributed as dist
 
     from dhelix.arguments import parse_args
+    from dhelix.folding import uses_folded_model
     from dhelix.memtrace import measure_peak
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
         init_process_group_from_env
@@ -66,13 +77,15 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int) -> dict:
 
     init_process_group_from_env()
     trainers = {}
-    for name, extra in (("megatron", []), ("dhelix", ["--dhelix"])):
-        args = parse_args(megatron_args + extra)
+    for name, extra in (systems or DEFAULT_SYSTEMS).items():
+        args = parse_args(megatron_args + list(extra))
         init_megatron_parallel_state(ParallelSizes(args.tensor_model_parallel_size,
-                                                   args.pipeline_model_parallel_size), args.seed)
+                                                   args.pipeline_model_parallel_size), args.seed,
+                                     folded=uses_folded_model(args))
         trainers[name] = Trainer.build(args)
-    # Both trainers share one parallel state (same sizes); the second init rebuilt it, and
-    # each trainer keeps references to its own model and groups.
+    # Each init rebuilt Megatron's parallel state with the same sizes (only the folded
+    # model's embedding group differs); each trainer keeps references to its own model and
+    # groups, its finalize_model_grads included (dhelix.training.Trainer.build).
     times = {name: [] for name in trainers}
     for i in range(warmup + repeats):
         for name, trainer in trainers.items():
@@ -87,16 +100,16 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int) -> dict:
         dist.barrier()
         _, reading = measure_peak(trainer.forward_backward)
         memory[name] = reading.compute_peak_bytes
-    plan = trainers["dhelix"].dhelix.plan
-    return {
-        "rank": ctx.rank,
-        "times": times,
-        "memory": memory,
-        "layer_activation_bytes": _layer_activation_bytes(trainers["dhelix"]),
-        "predicted_speedup": plan.speedup,
-        "plan_blocks": len(plan.blocks),
-        "plan_source": trainers["dhelix"].dhelix.plan_source,
-    }
+    result = {"rank": ctx.rank, "times": times, "memory": memory,
+              "plans": {name: t.dhelix.describe() for name, t in trainers.items()
+                        if t.dhelix is not None}}
+    dhelix = trainers.get("dhelix")
+    if dhelix is not None and dhelix.dhelix is not None and dhelix.dhelix.plan is not None:
+        plan = dhelix.dhelix.plan
+        result.update(layer_activation_bytes=_layer_activation_bytes(dhelix),
+                      predicted_speedup=plan.speedup, plan_blocks=len(plan.blocks),
+                      plan_source=dhelix.dhelix.plan_source)
+    return result
 
 
 def report(results: list) -> dict:

@@ -77,9 +77,7 @@ def train(args) -> int:
               f"SP {'on' if args.sequence_parallel else 'off'}, "
               f"{args.num_microbatches} micro-batches of {args.micro_batch_size}", flush=True)
         if trainer.dhelix is not None:
-            plan = trainer.dhelix.plan
-            print(f"dhelix: plan {trainer.dhelix.plan_source}: {len(plan.blocks)} blocks, "
-                  f"predicted layer speedup {plan.speedup:.3f}x", flush=True)
+            print(f"dhelix: {trainer.dhelix.describe()}", flush=True)
     log_file = open(args.log_json, "a") if (args.log_json and rank == 0) else None
     try:
         while trainer.iteration < args.train_iters:
@@ -87,8 +85,10 @@ def train(args) -> int:
             if rank == 0 and (result.iteration % args.log_interval == 0
                               or result.iteration == args.train_iters):
                 line = format_step(result, args.train_iters)
-                if trainer.dhelix is not None:
-                    line += f" | dhelix plan predicts {trainer.dhelix.plan.speedup:.3f}x"
+                if trainer.dhelix is not None and trainer.dhelix.predicted_speedup:
+                    line += f" | dhelix plan predicts {trainer.dhelix.predicted_speedup:.3f}x"
+                if trainer.dhelix is not None and trainer.dhelix.timing_only:
+                    line += " | TIMING ONLY, WRONG NUMERICS"
                 print(line, flush=True)
                 if log_file:
                     log_file.write(step_record(result) + "\n")

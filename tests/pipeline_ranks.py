@@ -57,33 +57,3 @@ def dhelix_pipeline_parity(ctx, workdir: str, cases: dict, steps: int = 3) -> di
     dist.barrier()
     return report
 
-
-def pipeline_memory(ctx, megatron_args: list) -> dict:
-    """Peak tensor memory of one forward/backward (compute-thread storage, `dhelix.memtrace`)
-    on this rank: Megatron's 1F1B on the stock model vs `--dhelix` (folded model, W-shaped
-    schedule), same arguments; each measured after one warm-up step. Also one layer's saved
-    activations (what an SI block's extra in-flight layer costs)."""
-    from dhelix.arguments import parse_args
-    from dhelix.memtrace import measure_peak
-    from scripts.bench_dhelix_pp1 import _layer_activation_bytes
-
-    init_process_group_from_env()
-    peaks = {}
-    trainer = None
-    for name, extra in (("megatron", []), ("dhelix", ["--dhelix"])):
-        trainer = build_trainer(parse_args(list(megatron_args) + extra))
-        trainer.forward_backward()
-        dist.barrier()
-        _, reading = measure_peak(trainer.forward_backward)
-        peaks[name] = reading.compute_peak_bytes
-    layer = _layer_activation_bytes(trainer)
-    args = trainer.args
-    logits = (args.seq_length * args.micro_batch_size * args.padded_vocab_size
-              // args.tensor_model_parallel_size * 4)
-    from megatron.core import parallel_state
-
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    destroy_parallel_state()
-    dist.barrier()
-    return {"rank": ctx.rank, "stage": stage, "peaks": peaks, "layer_bytes": layer,
-            "logits_bytes": logits}

@@ -8,7 +8,8 @@ Run with -s to see the measured differences."""
 import pytest
 
 from dhelix.harness import run_on_ranks
-from tests.pipeline_ranks import dhelix_pipeline_parity, pipeline_memory
+from scripts.bench_dhelix_pp1 import bench_body
+from tests.pipeline_ranks import dhelix_pipeline_parity
 
 FP32_LOSS = 2e-6    # |loss diff|, losses ~7
 FP32_GRAD = 1e-7    # max |grad diff|: accumulation order of tied-embedding grads differs
@@ -70,9 +71,11 @@ def test_dhelix_pp_matches_megatron_1f1b_8_ranks(report_8, name):
     _check(report_8[name])
 
 
+SEQ, MICRO_BATCH, VOCAB = 256, 2, 1024
 MEMORY_ARGS = ["--preset", "tiny", "--pipeline-model-parallel-size", "2", "--num-layers", "8",
-               "--seq-length", "256", "--max-position-embeddings", "256",
-               "--micro-batch-size", "2", "--global-batch-size", "8"]
+               "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+               "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", "8",
+               "--vocab-size", str(VOCAB)]
 
 
 def test_dhelix_pp_peak_memory():
@@ -82,17 +85,17 @@ def test_dhelix_pp_peak_memory():
     exceed Megatron's by 3% plus one layer's activations (the SI block allocates the next
     forward layer while the backward layer is still alive) plus one micro-batch's logits
     (the loss head sits on stage 0 with the folded model, on the last stage with 1F1B)."""
-    results = run_on_ranks(pipeline_memory, 2, MEMORY_ARGS, timeout_s=600,
+    results = run_on_ranks(bench_body, 2, MEMORY_ARGS, 0, 1, timeout_s=600,
                            env={"OMP_NUM_THREADS": "1"})
-    for r in results:
-        m, d = r["peaks"]["megatron"], r["peaks"]["dhelix"]
-        print(f"stage {r['stage']}: Megatron 1F1B {m / 2**20:.2f} MiB, --dhelix "
+    for r in results:  # TP1 x PP2: rank = stage
+        m, d = r["memory"]["megatron"], r["memory"]["dhelix"]
+        print(f"stage {r['rank']}: Megatron 1F1B {m / 2**20:.2f} MiB, --dhelix "
               f"{d / 2**20:.2f} MiB ({d / m:.3f}x)")
         assert m > 0 and d > 0
-    megatron = max(r["peaks"]["megatron"] for r in results)
-    dhelix = max(r["peaks"]["dhelix"] for r in results)
-    r0 = results[0]
-    bound = megatron * 1.03 + r0["layer_bytes"] + r0["logits_bytes"]
+    megatron = max(r["memory"]["megatron"] for r in results)
+    dhelix = max(r["memory"]["dhelix"] for r in results)
+    logits_bytes = SEQ * MICRO_BATCH * VOCAB * 4
+    bound = megatron * 1.03 + results[0]["layer_activation_bytes"] + logits_bytes
     print(f"max over ranks: Megatron {megatron / 2**20:.2f} MiB, --dhelix "
           f"{dhelix / 2**20:.2f} MiB ({dhelix / megatron:.3f}x), bound {bound / 2**20:.2f} MiB")
     assert dhelix <= bound

@@ -155,6 +155,22 @@ class DHelixSchedule:
         self._finish_backward(alpha, grad)
         return self._finish_forward(beta, y, model, config, ctx)
 
+    def _run_microbatches(self, forward_step_func, data_iterator, model, config, ctx):
+        """Every micro-batch's forward and backward (SI blocks between the first forward and
+        the last backward); every backward but the last under `no_sync`. Returns the token
+        count."""
+        no_sync = config.no_sync_func or contextlib.nullcontext
+        total_tokens = torch.zeros([], dtype=torch.int)
+        with no_sync():
+            alpha = self._begin_microbatch(forward_step_func, data_iterator, model)
+            total_tokens += self._forward_alone(alpha, model, config, ctx)
+            for _ in range(ctx.num_microbatches - 1):
+                beta = self._begin_microbatch(forward_step_func, data_iterator, model)
+                total_tokens += self._si_block(beta, alpha, model, config, ctx)
+                alpha = beta
+        self._backward_alone(alpha, model, config)
+        return total_tokens
+
     # ---------------------------------------------------------- entry point
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
                          seq_length=None, micro_batch_size=None, decoder_seq_length=None,
@@ -176,17 +192,9 @@ class DHelixSchedule:
         if isinstance(data_iterator, list):
             data_iterator = data_iterator[0]
         config = get_model_config(model)
-        no_sync = config.no_sync_func or contextlib.nullcontext
         ctx = _StepContext(num_microbatches=num_microbatches)
-        total_tokens = torch.zeros([], dtype=torch.int)
-        with no_sync():
-            alpha = self._begin_microbatch(forward_step_func, data_iterator, model)
-            total_tokens += self._forward_alone(alpha, model, config, ctx)
-            for _ in range(num_microbatches - 1):
-                beta = self._begin_microbatch(forward_step_func, data_iterator, model)
-                total_tokens += self._si_block(beta, alpha, model, config, ctx)
-                alpha = beta
-        self._backward_alone(alpha, model, config)
+        total_tokens = self._run_microbatches(forward_step_func, data_iterator, model, config,
+                                              ctx)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
                 [model], total_tokens if config.calculate_per_token_loss else None)

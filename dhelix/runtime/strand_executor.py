@@ -1,5 +1,6 @@
-"""The strand executor: co-executes one micro-batch's forward operators (strand beta) with
-another micro-batch's backward operators (strand alpha), block by block as a plan says.
+"""The strand executor: co-executes two operator strands block by block as a plan says -
+normally one micro-batch's forward operators (strand beta) with another micro-batch's
+backward operators (strand alpha).
 
 Within a block each strand runs its segment in plan order. The executor issues every
 collective at a strand's head as soon as the strand reaches it (collectives are
@@ -8,6 +9,12 @@ computation: it runs the head computation of a strand whose inputs are ready, pr
 to alternate strands, and only blocks on a pending collective when neither strand can
 proceed. At the end of a block both strands' collectives are waited on (the barrier between
 consecutive paired blocks that the planner's cost model assumes).
+
+The two strands are usually a forward and a backward (the DHelix SI block), but nothing
+here depends on their directions: each strand runs the program of its execution's current
+phase, so two forward (or two backward) strands - the Domino-style halves of one micro-batch
+- co-execute the same way. `Block.fwd` always belongs to the first execution passed and
+`Block.bwd` to the second.
 
 Guarantees: each strand's operators run exactly in the plan's order for that strand (so a
 TP group's collectives are issued in the same order on every rank, which keeps gloo/NCCL
@@ -23,7 +30,8 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class Block:
-    """Operator ids of one paired block: a forward segment and a backward segment."""
+    """Operator ids of one paired block: the first strand's segment (`fwd`, normally a
+    forward) and the second strand's (`bwd`, normally a backward)."""
 
     fwd: tuple
     bwd: tuple
@@ -55,9 +63,10 @@ class _Strand:
 
 
 def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True) -> None:
-    """Run one block: `block.fwd` on `fwd_execution` (in its forward phase) together with
-    `block.bwd` on `bwd_execution` (in its backward phase). Either side may be empty or
-    None (a segment running alone)."""
+    """Run one block: `block.fwd` on `fwd_execution` together with `block.bwd` on
+    `bwd_execution`, each in the program of its current phase (normally forward and
+    backward; two executions in the same direction work alike). Either side may be empty
+    or None (a segment running alone)."""
     strands = [s for s in (_Strand(fwd_execution, block.fwd) if block.fwd else None,
                            _Strand(bwd_execution, block.bwd) if block.bwd else None) if s]
     turn = 0
