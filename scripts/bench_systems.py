@@ -34,7 +34,7 @@ LAUNCHER = ROOT / "scripts" / "emulated_cluster.py"
 DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
                  "--seq-length", "256", "--max-position-embeddings", "256",
                  "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1000"]
-QUICK_MODEL = ["--preset", "tiny", "--num-layers", "2", "--global-batch-size", "4",
+QUICK_MODEL = ["--preset", "tiny", "--num-layers", "4", "--global-batch-size", "4",
                "--train-iters", "1000"]
 
 

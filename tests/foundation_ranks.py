@@ -138,7 +138,7 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
         trainer = build_trainer(dargs)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
         report[name] = {"rows": compare_steps(ref_steps, got),
-                        "blocks": len(trainer.dhelix.schedule.blocks),
+                        "blocks": len(trainer.dhelix.runner.blocks),
                         "plan_source": trainer.dhelix.plan_source,
                         "num_microbatches": dargs.num_microbatches}
     destroy_parallel_state()
