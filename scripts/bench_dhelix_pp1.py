@@ -58,14 +58,34 @@ def _layer_activation_bytes(trainer) -> int:
 DEFAULT_SYSTEMS = {"megatron": [], "dhelix": ["--dhelix"]}
 
 
+def _timeline_step(trainer) -> dict:
+    """One more forward/backward with the compute thread's spans recorded
+    (`dhelix.runtime.timeline`): seconds of compute, collective issue, waiting on
+    collectives, block barriers, and the step's wall time."""
+    import torch.distributed as dist
+
+    from dhelix.runtime.timeline import Timeline
+
+    runner = trainer.dhelix.runner
+    runner.timeline = Timeline()
+    dist.barrier()
+    start = time.perf_counter()
+    trainer.forward_backward()
+    elapsed = time.perf_counter() - start
+    totals = runner.timeline.totals()
+    runner.timeline = None
+    return {**totals, "step_s": elapsed}
+
+
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
                systems: dict | None = None) -> dict:
     """Every rank: build one trainer per system (`systems`: name -> extra arguments added
     to `megatron_args`; default Megatron and `--dhelix`) from the same seed, so the same
     initial weights and data; then `warmup` + `repeats` rounds, each one training step of
     every system in turn (interleaved, behind a barrier), then one measured forward/backward
-    per system for peak memory. Returns this rank's step times (measured rounds only), peak
-    bytes and, per system using the DHelix runtime, its plan description."""
+    per system for peak memory, then one recorded forward/backward per DHelix-runtime system
+    (`_timeline_step`). Returns this rank's step times (measured rounds only), peak bytes
+    and, per system using the DHelix runtime, its plan description and timeline totals."""
     import torch.distributed as dist
 
     from dhelix.arguments import parse_args
@@ -102,7 +122,9 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
         memory[name] = reading.compute_peak_bytes
     result = {"rank": ctx.rank, "times": times, "memory": memory,
               "plans": {name: t.dhelix.describe() for name, t in trainers.items()
-                        if t.dhelix is not None}}
+                        if t.dhelix is not None},
+              "timelines": {name: _timeline_step(t) for name, t in trainers.items()
+                            if t.dhelix is not None}}
     dhelix = trainers.get("dhelix")
     if dhelix is not None and dhelix.dhelix is not None and dhelix.dhelix.plan is not None:
         plan = dhelix.dhelix.plan

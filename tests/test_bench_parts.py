@@ -49,7 +49,10 @@ def _raw():
              "ops_sequential": [4.0, 4.1, 4.0], "domino": [3.8, 3.8, 3.9],
              "wavelet": [3.6, 3.7, 3.6], "dhelix": [3.2, 3.2, 3.3]}
     ranks = [{"times": {k: [t * f for t in v] for k, v in times.items()},
-              "memory": {k: 2**20 for k in times}, "plans": {}} for f in (1.0, 1.01)]
+              "memory": {k: 2**20 for k in times}, "plans": {},
+              "timelines": {"dhelix": {"compute": 2.0, "issue": 0.1, "wait": 0.3 * f,
+                                       "barrier": 0.2, "recorded": 2.3 + 0.3 * f,
+                                       "step_s": 3.2}}} for f in (1.0, 1.01)]
     return {"config": "a", "ranks": ranks, "tokens_per_step": 2048,
             "runs": {n: {"label": r.label, "unavailable": r.unavailable,
                          "timing_only": r.system.timing_only} for n, r in runs.items()}}
@@ -81,6 +84,10 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
                         "summary": summarise_config(raw)})
     results = {"megatron_args": MODEL, "reps": 3, "warmup": 1, "configs": entries}
     text = markdown(results)
+    # the recorded step of the rank that waited longest: 3200 ms step, 303 ms waiting,
+    # 3200 - 2603 = 597 ms outside the layers
+    assert "| DHelix (analytic-cost plan, no profile) | 3200 | 2000 | 100 | 303 | 200 | 597 |" \
+        in text
     assert "## (a)" in text and "## (c)" in text
     assert "n/a (--dhelix-pairer domino (intra-batch split) runs without" in text
     assert "(bound)" in text

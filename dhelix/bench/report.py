@@ -39,11 +39,22 @@ def summarise_config(raw: dict) -> dict:
                 hidden_share=((t_meg - t) / exposed) if exposed and exposed > 0 else None,
                 peak_bytes_per_rank=[r["memory"][name] for r in ranks],
                 step_s_per_rank=[statistics.median(r["times"][name]) for r in ranks],
-                plan=ranks[0]["plans"].get(name))
+                plan=ranks[0]["plans"].get(name),
+                timeline=_slowest_rank_timeline(ranks, name))
         rows.append(row)
     return {"config": raw["config"], "rows": rows,
             "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
             else None}
+
+
+def _slowest_rank_timeline(ranks: list, name: str) -> dict | None:
+    """The recorded step (`bench_body`'s timeline totals) of the rank that waited longest on
+    communication, or None for systems without the DHelix runtime."""
+    timelines = [r.get("timelines", {}).get(name) for r in ranks]
+    timelines = [t for t in timelines if t]
+    if not timelines:
+        return None
+    return max(timelines, key=lambda t: t["wait"] + t["barrier"])
 
 
 def _fmt(value, pattern: str, missing: str = "-") -> str:
@@ -84,8 +95,28 @@ def markdown(results: dict) -> str:
                 f"| {row['label']} | {row['step_s'] * 1e3:.0f} | {row['tokens_per_s']:.0f} | "
                 f"{_fmt(row['speedup'], '{:.3f}x')} | {hidden} | "
                 f"{max(row['peak_bytes_per_rank']) / 2**20:.1f} |")
-        lines.append("")
+        lines += [""] + _timeline_table(entry["summary"]["rows"])
     return "\n".join(lines)
+
+
+def _timeline_table(rows: list) -> list:
+    """Where one recorded step of each DHelix-runtime system went on the compute thread (the
+    rank that waited longest): computation, issuing collectives, waiting on collectives,
+    block barriers, and everything outside the layers (embedding, loss, pipeline transfers,
+    Python)."""
+    recorded = [r for r in rows if r.get("timeline")]
+    if not recorded:
+        return []
+    lines = ["Recorded step (compute thread of the rank that waited longest, ms):", "",
+             "| system | step | layer compute | issue | wait on comm | barrier | outside layers |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in recorded:
+        t = row["timeline"]
+        outside = t["step_s"] - t["recorded"]
+        lines.append(f"| {row['label']} | {t['step_s'] * 1e3:.0f} | {t['compute'] * 1e3:.0f} | "
+                     f"{t['issue'] * 1e3:.0f} | {t['wait'] * 1e3:.0f} | "
+                     f"{t['barrier'] * 1e3:.0f} | {outside * 1e3:.0f} |")
+    return lines + [""]
 
 
 def bar_chart(results: dict, path) -> None:

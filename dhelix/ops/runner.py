@@ -148,6 +148,13 @@ class LayerExecution:
             return NoOpCollectives(group)
         return GroupCollectives(group)
 
+    def wait_inputs(self, op_id: str) -> None:
+        """Wait for every pending collective `op_id` reads (so running it will not block)."""
+        program = self.programs.program(self._phase)
+        for name in program[op_id].inputs:
+            if isinstance(self._values.get(name), _Pending):
+                self.get(name)
+
     def op_ready(self, op_id: str) -> bool:
         """True if running `op_id` now would not block on a pending collective: every input
         it reads is either computed or a collective whose work has completed."""

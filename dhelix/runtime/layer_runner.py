@@ -25,13 +25,16 @@ from dhelix.runtime.strand_executor import Block, run_alone, run_blocks
 @dataclass
 class LayerRunner:
     """`bound_layers[i]` binds local layer i; `lanes` (None without TP) routes collectives;
-    `fwd_order` / `bwd_order` / `blocks` come from the plan (one plan for all layers)."""
+    `fwd_order` / `bwd_order` / `blocks` come from the plan (one plan for all layers);
+    `timeline` (a `dhelix.runtime.timeline.Timeline`, default None) records what the
+    compute thread does, for explaining step times."""
 
     bound_layers: Sequence
     lanes: object
     fwd_order: tuple
     bwd_order: tuple
     blocks: tuple
+    timeline: object = None
 
     def __post_init__(self):
         self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
@@ -51,7 +54,7 @@ class LayerRunner:
         for layer in layers:
             execution = self.new_execution(layer)
             execution.begin_forward(x, None, rotary_pos_emb)
-            run_alone(execution, self.fwd_order)
+            run_alone(execution, self.fwd_order, self.timeline)
             x = execution.end_forward()
             executions.append(execution)
         return x, executions
@@ -61,7 +64,7 @@ class LayerRunner:
         Returns the gradient of the first layer's input."""
         for execution in executions:
             execution.begin_backward(grad)
-            run_alone(execution, self.bwd_order)
+            run_alone(execution, self.bwd_order, self.timeline)
             grad = execution.end_backward()
         return grad
 
@@ -81,7 +84,7 @@ class LayerRunner:
             fwd = self.new_execution(layer)
             fwd.begin_forward(x, None, rotary_pos_emb)
             bwd.begin_backward(grad)
-            run_blocks(fwd, bwd, self.blocks)
+            run_blocks(fwd, bwd, self.blocks, timeline=self.timeline)
             x = fwd.end_forward()
             grad = bwd.end_backward()
             executions.append(fwd)

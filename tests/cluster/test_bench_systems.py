@@ -49,6 +49,11 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
                                                        * entry["config"]["ranks_per_node"])
     a = {row["system"]: row for row in results["configs"][0]["summary"]["rows"]}
     assert not any(row["unavailable"] for row in a.values())  # PP=1: every system runs
+    assert a["megatron"]["timeline"] is None  # Megatron's own schedule is not recorded
+    for name in ("ops_sequential", "domino", "wavelet", "dhelix"):
+        timeline = a[name]["timeline"]
+        assert timeline["compute"] > 0 and timeline["issue"] > 0, (name, timeline)
+        assert timeline["recorded"] <= timeline["step_s"]
     c = {row["system"]: row for row in results["configs"][1]["summary"]["rows"]}
     assert c["dhelix"]["unavailable"] is None and "without pipelining" in c["domino"]["unavailable"]
     text = (tmp_path / "results.md").read_text()
