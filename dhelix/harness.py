@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -48,7 +49,23 @@ class RankContext:
     world_size: int
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this rank when the process that spawned it dies (a test
+    run interrupted or killed must not leave ranks behind holding memory and ports)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def _rank_main(fn, rank, world_size, port, env, args, kwargs, results):
+    _die_with_parent()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
