@@ -33,7 +33,7 @@ LAUNCHER = ROOT / "scripts" / "emulated_cluster.py"
 # Communication is 30-50% of Megatron's step at 800 Mbit/s for this model (docs/benchmark.md).
 DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
                  "--seq-length", "256", "--max-position-embeddings", "256",
-                 "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1000"]
+                 "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1000"]
 QUICK_MODEL = ["--preset", "tiny", "--num-layers", "4", "--global-batch-size", "4",
                "--train-iters", "1000"]
 
