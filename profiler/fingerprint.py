@@ -21,6 +21,7 @@ the coverage check (`planner.costs.check_profile_covers`) already tells apart.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from importlib import metadata
@@ -104,7 +105,9 @@ def hardware_fingerprint(world_size: int, topology: NodeTopology | None = None,
     ranks_per_node = topology.ranks_per_node or world_size
     nodes = -(-world_size // ranks_per_node)
     cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
+    if backend is None:
+        backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
+                   else "nccl" if cuda else "gloo")
     versions = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
@@ -158,13 +161,26 @@ def check_profile_hardware(profile, path, current: dict) -> None:
             f"with `{REGENERATE['profile']}`")
 
 
-def check_profile_run(profile, path, model: str, parallel: str) -> None:
+def check_profile_run(profile, path, model: str | None, parallel: str | None) -> None:
     """Refuse a profile whose recorded model / parallel fingerprints (meta, written by
-    `dhelix profile`) differ from this run's."""
+    `dhelix profile`) differ from this run's (None: not compared)."""
     problems = [f"{name}: profile has {profile.meta.get(name)!r}, this run has {value!r}"
                 for name, value in (("model", model), ("parallel", parallel))
-                if name in profile.meta and profile.meta[name] != value]
+                if value is not None and name in profile.meta and profile.meta[name] != value]
     if problems:
         raise FormatError(
             f"{path}: profile was measured for another configuration ({'; '.join(problems)}); "
             f"regenerate it with `{REGENERATE['profile']}` and this run's arguments")
+
+
+def plan_hardware_differences(plan_hardware: str, current: dict) -> list[str]:
+    """For a plan's `hardware` fingerprint string: the differences from `current` when it
+    is a `dhelix profile` fingerprint (canonical JSON), else [] (analytic or hand-written
+    hardware strings say nothing about a machine)."""
+    try:
+        recorded = json.loads(plan_hardware)
+    except (TypeError, ValueError):
+        return []
+    if not isinstance(recorded, dict) or recorded.get("fingerprint") != FINGERPRINT_VERSION:
+        return []
+    return hardware_differences(recorded, current)
