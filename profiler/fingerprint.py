@@ -52,6 +52,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def _nccl_version(torch) -> str:
+    version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def _intra_link(torch) -> str:
     """NVLink or PCIe between the GPUs of a node (NVML when available, else peer access)."""
     if not torch.cuda.is_available():
@@ -111,7 +116,7 @@ def hardware_fingerprint(world_size: int, topology: NodeTopology | None = None,
     versions = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "none",
+        "nccl": _nccl_version(torch) if cuda else "none",
         "gloo": "available" if torch.distributed.is_gloo_available() else "missing",
         "megatron-core": _version("megatron-core"),
         "python": platform.python_version(),
