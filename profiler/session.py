@@ -7,12 +7,19 @@ times are the slowest rank's (identical everywhere), and the candidates and chai
 pure function of them (`profiler.candidates`).
 
 Partial file (`<output>.partial`, `dhelix-profile-partial` v1, written atomically by rank 0
-after the solo pass and after every chain): the hardware fingerprint, the run (model and
+after the solo passes and after every chain): the hardware fingerprint, the run (model and
 parallel fingerprints, world size, ranks per node), the measuring options, and what has been
-measured so far (solo and pair medians). A re-run with the same fingerprint, run and options
-resumes: solo times are reused if complete, measured pairs are skipped. A partial file of
-another machine, run or options is refused (`PartialMismatch`) unless `overwrite` is set.
-The partial file is removed once the profile is written.
+measured so far (the solo medians that ranked the pairs, every solo sample, the pair
+medians). A re-run with the same fingerprint, run and options resumes: the solo phase is not
+repeated, measured pairs are skipped. A partial file of another machine, run or options is
+refused (`PartialMismatch`) unless `overwrite` is set. The partial file is removed once the
+profile is written.
+
+Solo samples are spread over the whole job: after the solo phase (which ranks the pairs by
+potential gain), one more solo pass follows every chain, and a cost key's final solo time
+is the median of all its samples. A machine whose load drifts during the job then biases
+solo and pair times alike, instead of comparing pairs measured late with solos measured
+early (OEF divides by the shorter solo time, so such a bias is amplified).
 """
 
 from __future__ import annotations
@@ -70,7 +77,8 @@ class PartialState:
     hardware: dict
     run: dict
     options: dict
-    solo: dict
+    solo: dict          # solo-phase medians: what ranked the pairs (fixed once measured)
+    solo_samples: dict  # cost key -> every slowest-rank solo sample so far
     pairs: dict
     ops: dict
 
@@ -150,22 +158,31 @@ def op_table(layer: LayerUnderTest) -> dict:
     return table
 
 
-def measure_solo(layer: LayerUnderTest, timer: Timer, options: ProfileOptions,
-                 progress: Progress) -> dict:
-    """Median (over repeats and operators sharing a cost key) of the slowest rank's time,
-    by cost key. `comp_only` keeps computation keys only."""
+def solo_samples(layer: LayerUnderTest, timer: Timer, options: ProfileOptions,
+                 samples: dict) -> None:
+    """One solo pass; appends the slowest rank's time of every operator to
+    `samples[cost_key]` (computation keys only with `comp_only`)."""
     ops = {op.id: op for program in (layer.forward, layer.backward) for op in program.ops}
-    samples: dict[str, list] = {}
-    for number in range(options.warmup + options.repeats):
-        local = solo_pass(layer, timer)
-        slowest = timer.slowest(list(local.values()))
-        if number >= options.warmup:
-            for op_id, ms in zip(local, slowest):
-                op = ops[op_id]
-                if not options.comp_only or op.kind == "comp":
-                    samples.setdefault(op.cost_key, []).append(ms)
-        progress.advance(note="operators alone")
+    local = solo_pass(layer, timer)
+    for op_id, ms in zip(local, timer.slowest(list(local.values()))):
+        op = ops[op_id]
+        if not options.comp_only or op.kind == "comp":
+            samples.setdefault(op.cost_key, []).append(ms)
+
+
+def medians(samples: dict) -> dict:
+    """Median of each cost key's samples (ms, kept positive), sorted by key."""
     return {key: max(median_ms(values), 1e-6) for key, values in sorted(samples.items())}
+
+
+def measure_solo(layer: LayerUnderTest, timer: Timer, options: ProfileOptions,
+                 progress: Progress, samples: dict) -> dict:
+    """The solo phase: `warmup` discarded passes, then `repeats` passes into `samples`;
+    returns their medians by cost key (median over repeats and operators sharing a key)."""
+    for number in range(options.warmup + options.repeats):
+        solo_samples(layer, timer, options, samples if number >= options.warmup else {})
+        progress.advance(note="operators alone")
+    return medians(samples)
 
 
 def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOptions,
@@ -195,6 +212,8 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
     ops = op_table(layer)
     partial = PartialState(hardware=hardware, run=run, options=opts, ops=ops,
                            solo=dict(state.solo) if state else {},
+                           solo_samples={k: list(v) for k, v in state.solo_samples.items()}
+                           if state else {},
                            pairs=dict(state.pairs) if state else {})
 
     def save_partial():
@@ -206,14 +225,15 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
     need_solo = not partial.solo
     progress = Progress(total=passes if need_solo else 0, enabled=show_progress and rank == 0)
     if need_solo:
-        partial.solo = measure_solo(layer, timer, options, progress)
+        partial.solo_samples = {}
+        partial.solo = measure_solo(layer, timer, options, progress, partial.solo_samples)
         save_partial()
     selection = select_pairs(layer.forward, layer.backward, partial.solo, options.max_pairs,
                              options.comp_only)
     resumed = sum(1 for c in selection.candidates if c.name in partial.pairs)
     todo = [c for c in selection.candidates if c.name not in partial.pairs]
     work = chains(todo)
-    progress.total += len(work) * passes
+    progress.total += len(work) * (passes + 1)
     progress.show(f"{len(todo)} pairs to measure in {len(work)} chains"
                   + (f", {resumed} resumed" if resumed else ""), force=True)
     measured = 0
@@ -227,13 +247,17 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
             progress.advance(note=f"pairs ({measured + len(chain)}/{len(todo)})")
         for cand, row in zip(chain, samples):
             partial.pairs[cand.name] = max(median_ms(row), 1e-6)
+        solo_samples(layer, timer, options, partial.solo_samples)
+        progress.advance(note=f"pairs ({measured + len(chain)}/{len(todo)})")
         measured += len(chain)
         save_partial()
         if stop_after is not None and measured >= stop_after and measured < len(todo):
-            return ProfileResult(str(output), False, partial.solo, partial.pairs, ops, resumed,
+            return ProfileResult(str(output), False, medians(partial.solo_samples),
+                                 partial.pairs, ops, resumed,
                                  measured, selection.skipped_same_channel, selection.capped,
                                  time.monotonic() - started)
     wall = time.monotonic() - started
+    solo = medians(partial.solo_samples)
     meta = {
         "repeats": options.repeats, "warmup": options.warmup, "ranks": world,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -241,7 +265,7 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
         "pairs_skipped_same_channel": selection.skipped_same_channel,
         "pairs_capped": selection.capped, "wall_s": round(wall, 2), **(extra_meta or {}),
     }
-    profile = Profile(hardware=hardware, solo=dict(partial.solo),
+    profile = Profile(hardware=hardware, solo=solo,
                       pairs={pair_key(*name.split("|")): ms
                              for name, ms in partial.pairs.items()}, meta=meta)
     if rank == 0:
@@ -249,6 +273,6 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
         partial_path(output).unlink(missing_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    return ProfileResult(str(output), True, partial.solo, partial.pairs, ops, resumed, measured,
+    return ProfileResult(str(output), True, solo, partial.pairs, ops, resumed, measured,
                          selection.skipped_same_channel, selection.capped, wall, profile)
 

@@ -201,10 +201,11 @@ def test_partial_file_of_another_job_is_refused(tmp_path):
     run = {"model": MODEL, "parallel": "tp2-pp1-nosp", "world_size": 2, "ranks_per_node": 2}
     options = {"warmup": 1, "repeats": 3, "max_pairs": None, "comp_only": False}
     state = PartialState(hardware=hardware, run=run, options=options, solo={"a": 1.0},
-                         pairs={}, ops={})
+                         solo_samples={"a": [1.0, 1.1]}, pairs={}, ops={})
     write_versioned(partial_path(out), PARTIAL_KIND, PARTIAL_VERSION, state.to_document())
     status, loaded = _resume_decision(out, hardware, run, options, overwrite=False)
     assert status == "ok" and loaded.solo == {"a": 1.0}
+    assert loaded.solo_samples == {"a": [1.0, 1.1]}
     other_run = dict(run, parallel="tp2-pp1-sp")
     status, message = _resume_decision(out, hardware, other_run, options, overwrite=False)
     assert status == "error"
