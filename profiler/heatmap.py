@@ -10,7 +10,7 @@ registry); a profile without it shows class '?'. Cells without a measured pair s
 from __future__ import annotations
 
 import math
-from statistics import fmean
+from statistics import fmean, median
 
 from planner.costs import oef
 
@@ -59,28 +59,31 @@ def kind_group(row) -> str:
 
 
 def class_table(profile) -> str:
-    """Text table: mean/min/max OEF and count per class pair, then per kind group."""
+    """Text table: mean/median/min/max OEF and count per class pair, then per kind group.
+    (The median is the robust reading: an OEF divides by the shorter solo time, so timing
+    noise on pairs with a very short operator swings the mean.)"""
     rows = pair_oefs(profile)
     if not rows:
         return "no measured pairs"
-    lines = [f"{'class pair':<34} {'mean OEF':>8} {'min':>7} {'max':>7} {'n':>4}"]
+    lines = [f"{'class pair':<34} {'mean OEF':>8} {'median':>7} {'min':>7} {'max':>7} {'n':>4}"]
     order = {c: i for i, c in enumerate(classes_present(rows))}
     cells = oef_by_class(rows)
     for cell in sorted(cells, key=lambda s: sorted(order[c] for c in s)):
         names = sorted(cell, key=order.get)
         label = " x ".join(CLASS_LABEL.get(c, c) for c in (names * 2)[:2])
-        values = cells[cell]
-        lines.append(f"{label:<34} {fmean(values):>8.3f} {min(values):>7.3f} "
-                     f"{max(values):>7.3f} {len(values):>4}")
+        lines.append(_stats_line(label, cells[cell]))
     groups: dict = {}
     for row in rows:
         groups.setdefault(kind_group(row), []).append(row["oef"])
     lines.append("")
     for name in sorted(groups):
-        values = groups[name]
-        lines.append(f"{name:<34} {fmean(values):>8.3f} {min(values):>7.3f} "
-                     f"{max(values):>7.3f} {len(values):>4}")
+        lines.append(_stats_line(name, groups[name]))
     return "\n".join(lines)
+
+
+def _stats_line(label: str, values: list) -> str:
+    return (f"{label:<34} {fmean(values):>8.3f} {median(values):>7.3f} {min(values):>7.3f} "
+            f"{max(values):>7.3f} {len(values):>4}")
 
 
 def render_heatmap(profile, path, title: str | None = None):
