@@ -118,8 +118,12 @@ def render_heatmap(profile, path, title: str | None = None):
                         va="center", fontsize=8)
     fig.colorbar(image, ax=ax, label="OEF = (Ti + Tj - Pij) / min(Ti, Tj)")
     hardware = profile.hardware
-    device = hardware.get("device", "") if isinstance(hardware, dict) else str(hardware)
-    ax.set_title(title or f"Overlap effectiveness by operator class\n{device}", fontsize=9)
+    where = str(hardware)
+    if isinstance(hardware, dict):
+        inter = hardware.get("link", {}).get("inter", "none")
+        where = f"{hardware.get('device', '')}, {hardware.get('nodes')} node(s)" + (
+            f", inter-node {inter}" if inter != "none" else "")
+    ax.set_title(title or f"Overlap effectiveness by operator class\n{where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
