@@ -100,8 +100,15 @@ def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
                    help="plan file (dhelix plan ...); default: build one at start-up")
     g.add_argument("--dhelix-profile", type=str, default=None,
                    help="profile to plan from (dhelix profile ...); default: analytic costs")
-    g.add_argument("--dhelix-pairer", choices=["dp", "sequential", "round_robin"],
-                   default="dp", help="how a start-up plan pairs operators (default dp)")
+    g.add_argument("--dhelix-pairer", choices=["dp", "sequential", "round_robin", "domino"],
+                   default="dp",
+                   help="how operators are paired (default dp): dp|sequential|round_robin pair "
+                        "one micro-batch's forward with another's backward (DHelix and its "
+                        "baselines); domino splits each micro-batch in two batch halves and "
+                        "staggers them layer by layer (Domino-style baseline, no planning)")
+    g.add_argument("--dhelix-commfree-timing-only", action="store_true",
+                   help="BENCHMARK ONLY: replace every TP collective of the layers with a "
+                        "no-op (timing only, wrong numerics: the communication-free bound)")
     g.add_argument("--log-json", type=str, default=None,
                    help="also write one JSON record per logged iteration to this file (rank 0)")
 
@@ -259,6 +266,14 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--data-path {ns.data_path}: no such file")
     if ns.save_interval is not None and ns.save_interval < 1:
         raise ArgumentError("--save-interval must be >= 1")
+    if ns.dhelix and pp > 1 and ns.num_layers % (2 * pp) != 0:
+        raise ArgumentError(
+            f"--dhelix with --pipeline-model-parallel-size {pp} folds the layers into a U "
+            f"(two chunks per stage): --num-layers {ns.num_layers} must be a multiple of "
+            f"2 x {pp} = {2 * pp}")
+    if ns.dhelix_commfree_timing_only and not ns.dhelix:
+        raise ArgumentError("--dhelix-commfree-timing-only needs --dhelix (it is the "
+                            "benchmark's timing-only bound on the operator programs)")
     for flag in ("dhelix_plan", "dhelix_profile"):
         path = getattr(ns, flag)
         if path is not None and not ns.dhelix:

@@ -24,6 +24,12 @@ FIRST_HALF, SECOND_HALF = 0, 1
 CHUNKS_PER_STAGE = 2
 
 
+def uses_folded_model(args) -> bool:
+    """True when a run with these (Megatron-style) arguments trains the folded model: `--dhelix`
+    with `--pipeline-model-parallel-size` > 1 (the W-shaped schedule needs it)."""
+    return bool(getattr(args, "dhelix", False)) and args.pipeline_model_parallel_size > 1
+
+
 class FoldingError(ValueError):
     """A model/pipeline size that cannot be folded; the message names the arguments."""
 

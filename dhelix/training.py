@@ -21,9 +21,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from dhelix.data import build_train_dataset, microbatch_iterator
+from dhelix.folding import uses_folded_model
 from dhelix.memory import peak_memory_bytes
+from megatron_patches.folded_model import FoldedGPTModel, build_folded_model_chunks
 from megatron_patches.model_provider import build_model_chunks
 from megatron_patches.optimizer_state import make_optimizer_state_loadable
 
@@ -78,10 +81,14 @@ class Trainer:
     _data_iterator: object = None
 
     @classmethod
-    def build(cls, args, model_builder: Callable = build_model_chunks) -> "Trainer":
-        """`model_builder(args) -> (config, [chunks])` builds this rank's model chunks
-        (default: stock GPTModel; `megatron_patches.folded_model.build_folded_model_chunks`
-        for the folded model)."""
+    def build(cls, args, model_builder: Callable | None = None) -> "Trainer":
+        """`model_builder(args) -> (config, [chunks])` builds this rank's model chunks.
+        Default: the folded model (`megatron_patches.folded_model.build_folded_model_chunks`)
+        when `--dhelix` runs with PP > 1 (`dhelix.folding.uses_folded_model`; Megatron's
+        parallel state must then be initialised with `folded=True`), else stock GPTModel."""
+        if model_builder is None:
+            model_builder = (build_folded_model_chunks if uses_folded_model(args)
+                             else build_model_chunks)
         config, chunks = model_builder(args)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16,
@@ -109,7 +116,12 @@ class Trainer:
         )
         optimizer = get_megatron_optimizer(opt_config, model)
         make_optimizer_state_loadable(optimizer)
-        config.finalize_model_grads_func = finalize_model_grads
+        # Bound to the groups of this trainer's parallel state (the folded model's embedding
+        # group differs from stock Megatron's), so two trainers can share a process.
+        config.finalize_model_grads_func = partial(
+            finalize_model_grads,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(
+                ["tp", "pp", "embd", "pos_embd", "dp_cp"]))
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = [chunk.no_sync for chunk in model]
         if len(model) == 1:
@@ -123,6 +135,11 @@ class Trainer:
             trainer.dhelix = setup_dhelix(args, model)
             trainer.forward_backward_func = trainer.dhelix.forward_backward_func
         return trainer
+
+    @property
+    def loss_on_first_stage(self) -> bool:
+        """True for the folded model, whose loss is computed on the first pipeline stage."""
+        return isinstance(getattr(self.model[0], "module", self.model[0]), FoldedGPTModel)
 
     def data_iterator(self):
         """This rank's micro-batch iterator, positioned at `consumed_samples`."""
@@ -175,7 +192,7 @@ class Trainer:
         tokens = self.args.global_batch_size * self.args.seq_length
         return StepResult(
             iteration=self.iteration,
-            loss=reduce_loss_to_all_ranks(losses),
+            loss=reduce_loss_to_all_ranks(losses, self.loss_on_first_stage),
             grad_norm=grad_norm,
             step_time_s=elapsed,
             tokens_per_s=tokens / elapsed,

@@ -7,6 +7,14 @@ produce the same `Pairing` structure as the DP search.
   runs out; the rest of the longer one runs alone. A pair that would co-run two communication
   operators on the same channel is illegal, so it is split into two solo blocks (forward
   first); merged solo runs follow `planner.blocks.merge_solo_runs`.
+- staggered (Domino-style, for two halves of one micro-batch going the same direction): each
+  program order is cut into *units* - a maximal run of computation operators, or one
+  communication operator - and the second strand runs one unit behind the first:
+  block k = (unit k of the first, unit k-1 of the second). Units alternate computation and
+  communication, so every communication unit of one half is paired with a computation unit
+  of the other (its collective overlaps that computation, as in Domino's intra-batch split);
+  an illegal pair is split as above. Here `Pairing.fwd_order` is the first strand's order
+  and `bwd_order` the second's.
 """
 
 from __future__ import annotations
@@ -35,3 +43,33 @@ def round_robin_pairing(fwd: OpDAG, bwd: OpDAG) -> Pairing:
         else:
             blocks.append(Block(f, b))
     return Pairing(f_order, b_order, merge_solo_runs(blocks))
+
+
+def _units(dag: OpDAG, order) -> list[tuple]:
+    """`order` cut into maximal computation runs and single communication operators."""
+    ops = dag.by_id()
+    units: list[list[str]] = []
+    for op_id in order:
+        if ops[op_id].kind == "comm" or not units or ops[units[-1][-1]].kind == "comm":
+            units.append([op_id])
+        else:
+            units[-1].append(op_id)
+    return [tuple(u) for u in units]
+
+
+def staggered_pairing(first: OpDAG, second: OpDAG) -> Pairing:
+    """Domino-style pairing of two strands in the same direction (see module doc): the
+    second strand one unit behind the first, no search. Legal for `check_pairing(first,
+    second, ...)`."""
+    f_order, s_order = topological_sort(first), topological_sort(second)
+    ops_f, ops_s = first.by_id(), second.by_id()
+    units_f, units_s = _units(first, f_order), _units(second, s_order)
+    blocks = []
+    for k in range(max(len(units_f), len(units_s) + 1)):
+        f = units_f[k] if k < len(units_f) else ()
+        s = units_s[k - 1] if 0 <= k - 1 < len(units_s) else ()
+        if f and s and shared_channels([ops_f[i] for i in f], [ops_s[i] for i in s]):
+            blocks += [Block(f, ()), Block((), s)]
+        elif f or s:
+            blocks.append(Block(f, s))
+    return Pairing(f_order, s_order, merge_solo_runs(blocks))

@@ -31,20 +31,17 @@ def _layer_activation_bytes(trainer) -> int:
     """Bytes one layer's forward program holds for its backward (its saved activations)."""
     import torch
 
-    schedule = trainer.dhelix.schedule
-    bound = schedule.bound_layers[0]
-    execution = bound.new_execution()
+    runner = trainer.dhelix.runner
+    execution = runner.new_execution(0)
     args = trainer.args
     tp = args.tensor_model_parallel_size
     seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
     x = torch.zeros(seq, args.micro_batch_size, args.hidden_size)
     rope = None
     if args.position_embedding_type == "rope":
-        rope = schedule.parts.model.rotary_pos_emb(args.seq_length)
-    if schedule.lanes is not None:
-        schedule.lanes.attach(execution)
+        rope = trainer.dhelix.parts.model.rotary_pos_emb(args.seq_length)
     execution.begin_forward(x, None, rope)
-    for op in schedule.fwd_order:
+    for op in runner.fwd_order:
         execution.run(op)
     execution.end_forward()
     total, seen = 0, set()
@@ -58,10 +55,41 @@ def _layer_activation_bytes(trainer) -> int:
     return total
 
 
-def bench_body(ctx, megatron_args: list, repeats: int, warmup: int) -> dict:
+DEFAULT_SYSTEMS = {"megatron": [], "dhelix": ["--dhelix"]}
+
+
+def _timeline_step(trainer) -> dict:
+    """One more forward/backward with the compute thread's spans recorded
+    (`dhelix.runtime.timeline`): seconds of compute, collective issue, waiting on
+    collectives, block barriers, and the step's wall time."""
+    import torch.distributed as dist
+
+    from dhelix.runtime.timeline import Timeline
+
+    runner = trainer.dhelix.runner
+    runner.timeline = Timeline()
+    dist.barrier()
+    start = time.perf_counter()
+    trainer.forward_backward()
+    elapsed = time.perf_counter() - start
+    totals = runner.timeline.totals()
+    runner.timeline = None
+    return {**totals, "step_s": elapsed}
+
+
+def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
+               systems: dict | None = None) -> dict:
+    """Every rank: build one trainer per system (`systems`: name -> extra arguments added
+    to `megatron_args`; default Megatron and `--dhelix`) from the same seed, so the same
+    initial weights and data; then `warmup` + `repeats` rounds, each one training step of
+    every system in turn (interleaved, behind a barrier), then one measured forward/backward
+    per system for peak memory, then one recorded forward/backward per DHelix-runtime system
+    (`_timeline_step`). Returns this rank's step times (measured rounds only), peak bytes
+    and, per system using the DHelix runtime, its plan description and timeline totals."""
     import torch.distributed as dist
 
     from dhelix.arguments import parse_args
+    from dhelix.folding import uses_folded_model
     from dhelix.memtrace import measure_peak
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
         init_process_group_from_env
@@ -69,13 +97,15 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int) -> dict:
 
     init_process_group_from_env()
     trainers = {}
-    for name, extra in (("megatron", []), ("dhelix", ["--dhelix"])):
-        args = parse_args(megatron_args + extra)
+    for name, extra in (systems or DEFAULT_SYSTEMS).items():
+        args = parse_args(megatron_args + list(extra))
         init_megatron_parallel_state(ParallelSizes(args.tensor_model_parallel_size,
-                                                   args.pipeline_model_parallel_size), args.seed)
+                                                   args.pipeline_model_parallel_size), args.seed,
+                                     folded=uses_folded_model(args))
         trainers[name] = Trainer.build(args)
-    # Both trainers share one parallel state (same sizes); the second init rebuilt it, and
-    # each trainer keeps references to its own model and groups.
+    # Each init rebuilt Megatron's parallel state with the same sizes (only the folded
+    # model's embedding group differs); each trainer keeps references to its own model and
+    # groups, its finalize_model_grads included (dhelix.training.Trainer.build).
     times = {name: [] for name in trainers}
     for i in range(warmup + repeats):
         for name, trainer in trainers.items():
@@ -90,16 +120,18 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int) -> dict:
         dist.barrier()
         _, reading = measure_peak(trainer.forward_backward)
         memory[name] = reading.compute_peak_bytes
-    plan = trainers["dhelix"].dhelix.plan
-    return {
-        "rank": ctx.rank,
-        "times": times,
-        "memory": memory,
-        "layer_activation_bytes": _layer_activation_bytes(trainers["dhelix"]),
-        "predicted_speedup": plan.speedup,
-        "plan_blocks": len(plan.blocks),
-        "plan_source": trainers["dhelix"].dhelix.plan_source,
-    }
+    result = {"rank": ctx.rank, "times": times, "memory": memory,
+              "plans": {name: t.dhelix.describe() for name, t in trainers.items()
+                        if t.dhelix is not None},
+              "timelines": {name: _timeline_step(t) for name, t in trainers.items()
+                            if t.dhelix is not None}}
+    dhelix = trainers.get("dhelix")
+    if dhelix is not None and dhelix.dhelix is not None and dhelix.dhelix.plan is not None:
+        plan = dhelix.dhelix.plan
+        result.update(layer_activation_bytes=_layer_activation_bytes(dhelix),
+                      predicted_speedup=plan.speedup, plan_blocks=len(plan.blocks),
+                      plan_source=dhelix.dhelix.plan_source)
+    return result
 
 
 def report(results: list) -> dict:

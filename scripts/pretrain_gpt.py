@@ -42,6 +42,7 @@ def train(args) -> int:
         init_process_group_from_env,
     )
     from dhelix.file_formats import FormatError
+    from dhelix.folding import uses_folded_model
     from dhelix.runtime.setup import DHelixSetupError
     from dhelix.training import Trainer, format_step, step_record
 
@@ -52,7 +53,7 @@ def train(args) -> int:
     rank = dist.get_rank()
     init_megatron_parallel_state(
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
-        args.seed,
+        args.seed, folded=uses_folded_model(args),
     )
     try:
         trainer = Trainer.build(args)
@@ -76,9 +77,7 @@ def train(args) -> int:
               f"SP {'on' if args.sequence_parallel else 'off'}, "
               f"{args.num_microbatches} micro-batches of {args.micro_batch_size}", flush=True)
         if trainer.dhelix is not None:
-            plan = trainer.dhelix.plan
-            print(f"dhelix: plan {trainer.dhelix.plan_source}: {len(plan.blocks)} blocks, "
-                  f"predicted layer speedup {plan.speedup:.3f}x", flush=True)
+            print(f"dhelix: {trainer.dhelix.describe()}", flush=True)
     log_file = open(args.log_json, "a") if (args.log_json and rank == 0) else None
     try:
         while trainer.iteration < args.train_iters:
@@ -86,8 +85,10 @@ def train(args) -> int:
             if rank == 0 and (result.iteration % args.log_interval == 0
                               or result.iteration == args.train_iters):
                 line = format_step(result, args.train_iters)
-                if trainer.dhelix is not None:
-                    line += f" | dhelix plan predicts {trainer.dhelix.plan.speedup:.3f}x"
+                if trainer.dhelix is not None and trainer.dhelix.predicted_speedup:
+                    line += f" | dhelix plan predicts {trainer.dhelix.predicted_speedup:.3f}x"
+                if trainer.dhelix is not None and trainer.dhelix.timing_only:
+                    line += " | TIMING ONLY, WRONG NUMERICS"
                 print(line, flush=True)
                 if log_file:
                     log_file.write(step_record(result) + "\n")

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from dhelix.arguments import parse_args
 from dhelix.checkpointing import load_checkpoint, save_checkpoint
+from dhelix.folding import uses_folded_model
 from dhelix.parallel import (
     ParallelSizes,
     destroy_parallel_state,
@@ -31,9 +32,10 @@ def tiny_args(tp=1, pp=1, sp=False, distopt=False, extra=()):
 
 
 def build_trainer(args) -> Trainer:
+    """Parallel state and trainer for `args` (the folded model for --dhelix with PP > 1)."""
     init_megatron_parallel_state(
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
-        args.seed,
+        args.seed, folded=uses_folded_model(args),
     )
     return Trainer.build(args)
 
@@ -45,7 +47,7 @@ def observed_step(trainer: Trainer, with_grads: bool) -> dict:
     grads = gather_full_tensors(trainer.model, "grad") if with_grads else None
     trainer.optimizer_step()
     return {
-        "loss": reduce_loss_to_all_ranks(losses),
+        "loss": reduce_loss_to_all_ranks(losses, trainer.loss_on_first_stage),
         "grads": grads,
         "params": gather_full_tensors(trainer.model, "param"),
     }
@@ -136,7 +138,7 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
         trainer = build_trainer(dargs)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
         report[name] = {"rows": compare_steps(ref_steps, got),
-                        "blocks": len(trainer.dhelix.plan.blocks),
+                        "blocks": len(trainer.dhelix.runner.blocks),
                         "plan_source": trainer.dhelix.plan_source,
                         "num_microbatches": dargs.num_microbatches}
     destroy_parallel_state()

@@ -28,6 +28,8 @@ BAD_INPUTS = [
     (["--no-such-flag", "1"], 1, "unrecognized arguments: --no-such-flag 1"),
     (["--bf16"], 1, "--bf16 needs a GPU"),
     (["--preset", "nope"], 1, "--preset: no preset 'nope'"),
+    (["--pipeline-model-parallel-size", "4", "--dhelix"], 4,
+     "--num-layers 4 must be a multiple of 2 x 4 = 8"),
 ]
 
 

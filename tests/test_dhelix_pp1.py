@@ -1,7 +1,9 @@
 """`--dhelix` without pipelining keeps Megatron's training semantics: with plans from every
 pairer (sequential, Wavelet-style round robin, the DP), TP=2 and TP=4, SP on and off, and a
 Llama-style layer, losses and every gradient equal Megatron's no-pipelining schedule from
-the same weights and data, step after step. One launch per world size."""
+the same weights and data, step after step. The Domino-style intra-batch split
+(`--dhelix-pairer domino`, a benchmark baseline) is held to the same parity. One launch per
+world size."""
 
 import shlex
 import subprocess
@@ -26,6 +28,8 @@ CASES_TP2 = {
     "tp2_dp": dict(tp=2, pairer="dp"),
     "tp2_sp_dp": dict(tp=2, sp=True, pairer="dp"),
     "tp2_sp_llama_dp": dict(tp=2, sp=True, pairer="dp", extra=LLAMA),
+    "tp2_domino": dict(tp=2, pairer="domino"),        # tiny preset: micro-batch 2 -> halves of 1
+    "tp2_sp_domino": dict(tp=2, sp=True, pairer="domino"),
 }
 CASES_TP4 = {
     "tp4_sp_dp": dict(tp=4, sp=True, pairer="dp"),
@@ -128,3 +132,21 @@ def test_plans_differ_between_pairers(tp2):
     """The pairers really produced different plans (so parity covers several)."""
     blocks = {tp2[n]["blocks"] for n in ("tp2_sequential", "tp2_round_robin", "tp2_dp")}
     assert len(blocks) == 3
+
+
+def test_domino_needs_an_even_micro_batch():
+    from dhelix.arguments import parse_args
+    from dhelix.runtime.setup import DHelixSetupError, check_dhelix_supported
+
+    args = parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2", "--dhelix",
+                       "--dhelix-pairer", "domino", "--micro-batch-size", "3",
+                       "--global-batch-size", "6"], world_size=2)
+    with pytest.raises(DHelixSetupError, match="--micro-batch-size must be even"):
+        check_dhelix_supported(args)
+
+
+def test_commfree_bound_needs_dhelix():
+    from dhelix.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError, match="needs --dhelix"):
+        parse_args(["--preset", "tiny", "--dhelix-commfree-timing-only"], world_size=1)

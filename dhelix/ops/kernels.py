@@ -17,7 +17,6 @@ code would.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 from dhelix.ops.local_graph import LocalGraph, deliver_param_grads
@@ -81,8 +80,8 @@ class LinearWgrad(Kernel):
 
 
 # ------------------------------------------------------------- collectives
-def _group(op, state):
-    return state.comm_group(op)
+def _collectives(op, state):
+    return state.collectives(op)
 
 
 @register_kernel
@@ -93,12 +92,12 @@ class AllGather(Kernel):
     name, kind, op_class = "all_gather", "comm", "all_gather"
 
     def run(self, op, state):
-        group = _group(op, state)
+        comm = _collectives(op, state)
         shard = state.take(op.inputs[0]).contiguous()
         size = list(shard.shape)
-        size[0] *= group.size()
+        size[0] *= comm.size()
         output = torch.empty(size, dtype=shard.dtype, device=shard.device)
-        work = dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+        work = comm.all_gather_into_tensor(output, shard)
         state.put_pending(op.outputs[0], output, work, keepalive=(shard,))
 
 
@@ -109,14 +108,14 @@ class ReduceScatter(Kernel):
     name, kind, op_class = "reduce_scatter", "comm", "reduce_scatter"
 
     def run(self, op, state):
-        group = _group(op, state)
+        comm = _collectives(op, state)
         full = state.take(op.inputs[0]).contiguous()
         size = list(full.shape)
-        if size[0] % group.size():
+        if size[0] % comm.size():
             raise RuntimeError(f"{op.id}: dim 0 ({size[0]}) not divisible by the group size")
-        size[0] //= group.size()
+        size[0] //= comm.size()
         output = torch.empty(size, dtype=full.dtype, device=full.device)
-        work = dist.reduce_scatter_tensor(output, full, group=group, async_op=True)
+        work = comm.reduce_scatter_tensor(output, full)
         state.put_pending(op.outputs[0], output, work, keepalive=(full,))
 
 
@@ -131,7 +130,7 @@ class AllReduce(Kernel):
         tensor = state.take(op.inputs[0])
         if not tensor.is_contiguous():
             raise RuntimeError(f"{op.id}: all-reduce input must be contiguous")
-        work = dist.all_reduce(tensor, group=_group(op, state), async_op=True)
+        work = _collectives(op, state).all_reduce(tensor)
         state.put_pending(op.outputs[0], tensor, work)
 
 

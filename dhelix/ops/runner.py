@@ -30,6 +30,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from dhelix.ops.binding import LayerBinding
+from dhelix.ops.collectives import GroupCollectives, NoOpCollectives
 from dhelix.ops.layer_program import build_layer_programs
 from dhelix.ops.program import LayerPrograms
 from dhelix.ops.registry import get_kernel
@@ -82,6 +83,9 @@ class LayerExecution:
         # (group role, channel) -> process group replacing the layer's own group for the
         # collectives of that channel (the executor's communication lanes); empty = none.
         self.lane_groups: dict = {}
+        # True only for the benchmark's communication-free bound (timing only, wrong
+        # numerics): every collective becomes a no-op (`dhelix.ops.collectives`).
+        self.no_comm_timing_only = False
 
     # --------------------------------------------------------- state access
     def get(self, name: str):
@@ -135,6 +139,21 @@ class LayerExecution:
         role = op.attrs["group"]
         lane = self.lane_groups.get((role, op.channel))
         return lane if lane is not None else self.binding.group(role)
+
+    def collectives(self, op):
+        """How the collective operator `op` communicates: on `comm_group(op)`, or not at all
+        when `no_comm_timing_only` is set (timing only, wrong numerics)."""
+        group = self.comm_group(op)
+        if self.no_comm_timing_only:
+            return NoOpCollectives(group)
+        return GroupCollectives(group)
+
+    def wait_inputs(self, op_id: str) -> None:
+        """Wait for every pending collective `op_id` reads (so running it will not block)."""
+        program = self.programs.program(self._phase)
+        for name in program[op_id].inputs:
+            if isinstance(self._values.get(name), _Pending):
+                self.get(name)
 
     def op_ready(self, op_id: str) -> bool:
         """True if running `op_id` now would not block on a pending collective: every input

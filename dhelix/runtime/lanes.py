@@ -44,13 +44,17 @@ class Lanes:
     """
 
     groups: dict = field(default_factory=dict)  # (role, lane) -> ProcessGroup
+    # Benchmark-only communication-free bound: attached executions replace every collective
+    # with a no-op of the same output shape (TIMING ONLY, WRONG NUMERICS; see
+    # `dhelix.ops.collectives`). Set only by `--dhelix-commfree-timing-only`.
+    no_comm_timing_only: bool = False
 
     @classmethod
-    def build(cls, role_groups: dict) -> "Lanes":
+    def build(cls, role_groups: dict, no_comm_timing_only: bool = False) -> "Lanes":
         """`role_groups`: role -> this rank's process group for that role (e.g. Megatron's
         TP group). For each role and communication lane, creates a group with the same
         ranks, for every group of that role in the world."""
-        lanes = cls()
+        lanes = cls(no_comm_timing_only=no_comm_timing_only)
         for role, group in role_groups.items():
             mine = tuple(dist.get_process_group_ranks(group))
             everyone = [None] * dist.get_world_size()
@@ -64,8 +68,10 @@ class Lanes:
         return lanes
 
     def attach(self, execution) -> None:
-        """Route the execution's collectives to the lane of their channel."""
+        """Route the execution's collectives to the lane of their channel (or nowhere, for
+        the timing-only communication-free bound)."""
         execution.lane_groups = self.groups
+        execution.no_comm_timing_only = self.no_comm_timing_only
 
 
 def check_cuda_device_max_connections() -> None:

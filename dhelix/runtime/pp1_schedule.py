@@ -29,7 +29,7 @@ import torch
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
-from dhelix.runtime.strand_executor import Block, run_alone, run_blocks
+from dhelix.runtime.layer_runner import LayerRunner
 from megatron_patches.gpt_parts import GPTParts
 
 
@@ -90,28 +90,12 @@ class _MicroBatch:
 
 @dataclass
 class DHelixSchedule:
-    """Everything the PP=1 schedule needs, built once at start-up (see `runtime.setup`).
-
-    `bound_layers[l]` binds layer l's operator programs; `lanes` routes collectives to the
-    communication lanes; `fwd_order`/`bwd_order`/`blocks` come from the plan.
-    """
+    """Everything the PP=1 schedule needs, built once at start-up (see `runtime.setup`):
+    Megatron's model split at the layers (`parts`) and the operator-level layer runner
+    (bound layers, lanes, plan)."""
 
     parts: GPTParts
-    bound_layers: list
-    lanes: object
-    fwd_order: tuple
-    bwd_order: tuple
-    blocks: tuple
-
-    def __post_init__(self):
-        self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
-
-    # --------------------------------------------------------------- strands
-    def _new_execution(self, layer_index: int):
-        execution = self.bound_layers[layer_index].new_execution()
-        if self.lanes is not None:
-            self.lanes.attach(execution)
-        return execution
+    runner: LayerRunner
 
     def _begin_microbatch(self, forward_step_func, data_iterator, model) -> _MicroBatch:
         capture = _CapturingModel(model)
@@ -124,12 +108,6 @@ class DHelixSchedule:
         call = capture.calls[0]
         pre = self.parts.pre(call.input_ids, call.position_ids)
         return _MicroBatch(call=call, loss_func=result[1], pre=pre)
-
-    def _layer_input(self, mb: _MicroBatch, layer_index: int, x: torch.Tensor):
-        execution = self._new_execution(layer_index)
-        execution.begin_forward(x, None, mb.pre.rotary_pos_emb)
-        mb.executions.append(execution)
-        return execution
 
     def _finish_forward(self, mb: _MicroBatch, y: torch.Tensor, model, config, ctx) -> int:
         mb.hidden = y.detach().requires_grad_(True)
@@ -156,35 +134,42 @@ class DHelixSchedule:
 
     # -------------------------------------------------------------- phases
     def _forward_alone(self, mb, model, config, ctx) -> int:
-        x = mb.pre.decoder_input.detach()
-        for layer in range(len(self.bound_layers)):
-            execution = self._layer_input(mb, layer, x)
-            run_alone(execution, self.fwd_order)
-            x = execution.end_forward()
-        return self._finish_forward(mb, x, model, config, ctx)
+        layers = range(len(self.runner.bound_layers))
+        y, mb.executions = self.runner.forward_alone(layers, mb.pre.decoder_input.detach(),
+                                                     mb.pre.rotary_pos_emb)
+        return self._finish_forward(mb, y, model, config, ctx)
 
     def _backward_alone(self, mb, model, config) -> None:
         grad = self._start_backward(mb, model, config)
-        for execution in reversed(mb.executions):
-            execution.begin_backward(grad)
-            run_alone(execution, self.bwd_order)
-            grad = execution.end_backward()
+        grad = self.runner.backward_alone(list(reversed(mb.executions)), grad)
         self._finish_backward(mb, grad)
 
     def _si_block(self, beta, alpha, model, config, ctx) -> int:
-        """Forward of `beta` paired layer by layer with the backward of `alpha`."""
-        num_layers = len(self.bound_layers)
+        """Forward of `beta` paired layer by layer with the backward of `alpha`: forward
+        layer l with backward layer L-1-l."""
         grad = self._start_backward(alpha, model, config)
-        x = beta.pre.decoder_input.detach()
-        for layer in range(num_layers):
-            fwd = self._layer_input(beta, layer, x)
-            bwd = alpha.executions[num_layers - 1 - layer]
-            bwd.begin_backward(grad)
-            run_blocks(fwd, bwd, self.blocks)
-            x = fwd.end_forward()
-            grad = bwd.end_backward()
+        layers = range(len(self.runner.bound_layers))
+        y, beta.executions, grad = self.runner.run_paired(
+            layers, beta.pre.decoder_input.detach(), beta.pre.rotary_pos_emb,
+            list(reversed(alpha.executions)), grad)
         self._finish_backward(alpha, grad)
-        return self._finish_forward(beta, x, model, config, ctx)
+        return self._finish_forward(beta, y, model, config, ctx)
+
+    def _run_microbatches(self, forward_step_func, data_iterator, model, config, ctx):
+        """Every micro-batch's forward and backward (SI blocks between the first forward and
+        the last backward); every backward but the last under `no_sync`. Returns the token
+        count."""
+        no_sync = config.no_sync_func or contextlib.nullcontext
+        total_tokens = torch.zeros([], dtype=torch.int)
+        with no_sync():
+            alpha = self._begin_microbatch(forward_step_func, data_iterator, model)
+            total_tokens += self._forward_alone(alpha, model, config, ctx)
+            for _ in range(ctx.num_microbatches - 1):
+                beta = self._begin_microbatch(forward_step_func, data_iterator, model)
+                total_tokens += self._si_block(beta, alpha, model, config, ctx)
+                alpha = beta
+        self._backward_alone(alpha, model, config)
+        return total_tokens
 
     # ---------------------------------------------------------- entry point
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
@@ -207,17 +192,9 @@ class DHelixSchedule:
         if isinstance(data_iterator, list):
             data_iterator = data_iterator[0]
         config = get_model_config(model)
-        no_sync = config.no_sync_func or contextlib.nullcontext
         ctx = _StepContext(num_microbatches=num_microbatches)
-        total_tokens = torch.zeros([], dtype=torch.int)
-        with no_sync():
-            alpha = self._begin_microbatch(forward_step_func, data_iterator, model)
-            total_tokens += self._forward_alone(alpha, model, config, ctx)
-            for _ in range(num_microbatches - 1):
-                beta = self._begin_microbatch(forward_step_func, data_iterator, model)
-                total_tokens += self._si_block(beta, alpha, model, config, ctx)
-                alpha = beta
-        self._backward_alone(alpha, model, config)
+        total_tokens = self._run_microbatches(forward_step_func, data_iterator, model, config,
+                                              ctx)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
                 [model], total_tokens if config.calculate_per_token_loss else None)

@@ -1,11 +1,22 @@
 """Start-up of `--dhelix` training: bind every layer's operator programs, build the
 communication lanes, load or build the plan, check it against this run, and return the
-forward/backward function that replaces Megatron's.
+forward/backward function that replaces Megatron's: the PP=1 SI schedule
+(`dhelix.runtime.pp1_schedule`), or with PP > 1 the W-shaped schedule over the folded model
+(`dhelix.schedules.w_schedule` executed by `dhelix.schedules.executor` with the operator
+pass engine `dhelix.runtime.folded_passes`).
 
 Plan sources, in order: `--dhelix-plan PATH` (checked: model, parallel layout and operator
 DAGs must match this run, and the profile too when `--dhelix-profile` is given); else a plan
 built now with the DP pairer from `--dhelix-profile` (or the planner's analytic default
 costs without one). `--dhelix-pairer sequential|round_robin` builds a baseline plan instead.
+
+Benchmark baselines built from the same machinery:
+- `--dhelix-pairer domino`: Domino-style intra-batch split (no micro-batch pairs; each
+  micro-batch's two batch halves co-executed layer by layer with a staggered pairing, see
+  `runtime.intra_batch_schedule`); needs an even `--micro-batch-size`.
+- `--dhelix-commfree-timing-only`: every TP collective of the layers becomes a no-op with the
+  right output shape (`dhelix.ops.collectives.NoOpCollectives`). TIMING ONLY, WRONG
+  NUMERICS: the communication-free bound of the benchmark, never a training mode.
 """
 
 from __future__ import annotations
@@ -13,15 +24,24 @@ from __future__ import annotations
 import logging
 import shlex
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dhelix.ops.runner import BoundLayer
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
+from dhelix.runtime.folded_passes import FoldedOperatorPasses
+from dhelix.runtime.intra_batch_schedule import IntraBatchSplitSchedule
 from dhelix.runtime.lanes import Lanes, check_cuda_device_max_connections
+from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.pp1_schedule import DHelixSchedule
+from dhelix.schedules.runner import make_forward_backward_func
+from dhelix.schedules.w_schedule import build_w_schedule
+from megatron_patches.folded_model import FoldedGPTModel
 from megatron_patches.gpt_parts import GPTParts
+from planner.baselines import staggered_pairing
+from planner.blocks import check_pairing
 from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
 from planner.plan import PlanMismatch, load_checked_plan
@@ -36,35 +56,66 @@ from profiler.profile_file import load_profile
 
 log = logging.getLogger(__name__)
 
+DOMINO = "domino"
+COMMFREE_WARNING = ("--dhelix-commfree-timing-only: every TP collective of the layers is a "
+                    "no-op - timing only, wrong numerics (the benchmark's communication-free "
+                    "bound; never use it to train)")
+
 
 class DHelixSetupError(ValueError):
     """`--dhelix` cannot run this configuration; the message says why and what to do."""
 
 
 def check_dhelix_supported(args) -> None:
-    """Refuse configurations the PP=1 DHelix runtime does not handle (before building)."""
-    if args.pipeline_model_parallel_size != 1:
-        raise DHelixSetupError(
-            "--dhelix with --pipeline-model-parallel-size > 1 needs the folded W-shaped "
-            "schedule, which is not available yet; use --pipeline-model-parallel-size 1")
+    """Refuse configurations the DHelix runtime does not handle (before building)."""
+    if args.dhelix_pairer == DOMINO and args.pipeline_model_parallel_size != 1:
+        raise DHelixSetupError("--dhelix-pairer domino (intra-batch split) runs without "
+                               "pipelining; use --pipeline-model-parallel-size 1")
     if args.hidden_dropout or args.attention_dropout:
         raise DHelixSetupError(
             "--dhelix needs --hidden-dropout 0 --attention-dropout 0 (two interleaved strands "
             "would draw dropout masks in a different order than Megatron)")
-    if args.num_microbatches < 2:
+    if args.dhelix_pairer == DOMINO and args.micro_batch_size % 2:
+        raise DHelixSetupError(
+            f"--dhelix-pairer domino splits each micro-batch in two halves along the batch "
+            f"dimension: --micro-batch-size must be even (got {args.micro_batch_size})")
+    if args.dhelix_pairer == DOMINO and (args.dhelix_plan or args.dhelix_profile):
+        raise DHelixSetupError("--dhelix-pairer domino does no planning: drop --dhelix-plan "
+                               "and --dhelix-profile")
+    if args.num_microbatches < 2 and args.dhelix_pairer != DOMINO:
         log.warning("--dhelix with one micro-batch has nothing to pair: it runs F(1) then "
                     "B(1); raise --global-batch-size for overlap")
 
 
 @dataclass
 class DHelixSetup:
-    schedule: DHelixSchedule
+    """What `--dhelix` built: Megatron's model split at the layers, the operator-level
+    layer runner (bound layers, lanes, plan orders and blocks), the plan and where it came
+    from, and the function that replaces Megatron's forward_backward_func. `plan` is None
+    for the Domino-style split (no planner plan); `timing_only` is True for the
+    communication-free bound."""
+
+    parts: GPTParts
+    runner: LayerRunner
     plan: object
     plan_source: str
+    forward_backward_func: Callable
+    timing_only: bool = False
 
     @property
-    def forward_backward_func(self):
-        return self.schedule.forward_backward
+    def predicted_speedup(self):
+        """The plan's predicted layer speedup, None without a plan."""
+        return self.plan.speedup if self.plan is not None else None
+
+    def describe(self) -> str:
+        """One line for logs: plan source, block count, predicted speedup, timing-only mark."""
+        blocks = len(self.plan.blocks) if self.plan is not None else len(self.runner.blocks)
+        line = f"plan {self.plan_source}: {blocks} blocks"
+        if self.predicted_speedup is not None:
+            line += f", predicted layer speedup {self.predicted_speedup:.3f}x"
+        if self.timing_only:
+            line += " [TIMING ONLY, WRONG NUMERICS: collectives are no-ops]"
+        return line
 
 
 def _world_size() -> int:
@@ -118,9 +169,21 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
     check_cuda_device_max_connections()
     if len(model_chunks) != 1:
         raise DHelixSetupError("--dhelix does not support virtual pipeline chunks")
-    parts = GPTParts(model_chunks[0])
+    timing_only = bool(getattr(args, "dhelix_commfree_timing_only", False))
+    if timing_only:
+        log.warning(COMMFREE_WARNING)
+    pipelined = args.pipeline_model_parallel_size > 1
+    parts = GPTParts(model_chunks[0], whole_model=not pipelined)
+    if pipelined and not isinstance(parts.model, FoldedGPTModel):
+        raise DHelixSetupError(
+            "--dhelix with --pipeline-model-parallel-size > 1 needs the folded model: build "
+            "it with dhelix.training.Trainer.build(args) (which picks "
+            "megatron_patches.folded_model.build_folded_model_chunks for --dhelix) after "
+            "init_megatron_parallel_state(..., folded=True)")
     rope = args.position_embedding_type == "rope"
-    bound = [BoundLayer(layer, args.seq_length, args.micro_batch_size, rope=rope)
+    domino = args.dhelix_pairer == DOMINO
+    layer_batch = args.micro_batch_size // 2 if domino else args.micro_batch_size
+    bound = [BoundLayer(layer, args.seq_length, layer_batch, rope=rope)
              for layer in parts.layers]
     dags = bound[0].programs.dags()
     for layer in bound[1:]:
@@ -128,9 +191,25 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
             raise DHelixSetupError("--dhelix needs identical layers (one plan serves all)")
     lanes = None
     if args.tensor_model_parallel_size > 1:
-        lanes = Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()})
+        lanes = Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()},
+                            no_comm_timing_only=timing_only)
+    if domino:
+        fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
+        bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
+        runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(fwd.fwd_order),
+                             bwd_order=tuple(bwd.fwd_order), blocks=tuple(fwd.blocks))
+        schedule = IntraBatchSplitSchedule(parts=parts, runner=runner, bwd_blocks=bwd.blocks)
+        source = "domino: intra-batch split, staggered halves, no planning"
+        return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
+                           forward_backward_func=schedule.forward_backward,
+                           timing_only=timing_only)
     plan, source = _resolve_plan(args, dags["fwd"], dags["bwd"])
-    schedule = DHelixSchedule(parts=parts, bound_layers=bound, lanes=lanes,
-                              fwd_order=tuple(plan.fwd_order), bwd_order=tuple(plan.bwd_order),
-                              blocks=tuple(plan.blocks))
-    return DHelixSetup(schedule=schedule, plan=plan, plan_source=source)
+    runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
+                         bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks))
+    if pipelined:
+        forward_backward = make_forward_backward_func(
+            build_w_schedule, passes=FoldedOperatorPasses(parts, runner))
+    else:
+        forward_backward = DHelixSchedule(parts=parts, runner=runner).forward_backward
+    return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
+                       forward_backward_func=forward_backward, timing_only=timing_only)

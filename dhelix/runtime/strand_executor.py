@@ -1,5 +1,6 @@
-"""The strand executor: co-executes one micro-batch's forward operators (strand beta) with
-another micro-batch's backward operators (strand alpha), block by block as a plan says.
+"""The strand executor: co-executes two operator strands block by block as a plan says -
+normally one micro-batch's forward operators (strand beta) with another micro-batch's
+backward operators (strand alpha).
 
 Within a block each strand runs its segment in plan order. The executor issues every
 collective at a strand's head as soon as the strand reaches it (collectives are
@@ -9,6 +10,12 @@ to alternate strands, and only blocks on a pending collective when neither stran
 proceed. At the end of a block both strands' collectives are waited on (the barrier between
 consecutive paired blocks that the planner's cost model assumes).
 
+The two strands are usually a forward and a backward (the DHelix SI block), but nothing
+here depends on their directions: each strand runs the program of its execution's current
+phase, so two forward (or two backward) strands - the Domino-style halves of one micro-batch
+- co-execute the same way. `Block.fwd` always belongs to the first execution passed and
+`Block.bwd` to the second.
+
 Guarantees: each strand's operators run exactly in the plan's order for that strand (so a
 TP group's collectives are issued in the same order on every rank, which keeps gloo/NCCL
 matched), and the two strands never share state: tensors belong to their own
@@ -17,13 +24,15 @@ matched), and the two strands never share state: tensors belong to their own
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
 
 @dataclass(frozen=True)
 class Block:
-    """Operator ids of one paired block: a forward segment and a backward segment."""
+    """Operator ids of one paired block: the first strand's segment (`fwd`, normally a
+    forward) and the second strand's (`bwd`, normally a backward)."""
 
     fwd: tuple
     bwd: tuple
@@ -45,48 +54,62 @@ class _Strand:
     def head(self) -> str:
         return self.ops[self.next]
 
-    def run_head(self) -> None:
-        self.execution.run(self.ops[self.next])
+    def run_head(self, timeline=None) -> None:
+        op_id = self.ops[self.next]
+        kind = "issue" if self.kinds[op_id] == "comm" else "compute"
+        if timeline is not None and kind == "compute" and not self.execution.op_ready(op_id):
+            with timeline.span("wait", op_id):
+                self.execution.wait_inputs(op_id)
+        with _span(timeline, kind, op_id):
+            self.execution.run(op_id)
         self.next += 1
 
-    def issue_collectives(self) -> None:
+    def issue_collectives(self, timeline=None) -> None:
         while not self.done() and self.kinds[self.head()] == "comm":
-            self.run_head()
+            self.run_head(timeline)
 
 
-def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True) -> None:
-    """Run one block: `block.fwd` on `fwd_execution` (in its forward phase) together with
-    `block.bwd` on `bwd_execution` (in its backward phase). Either side may be empty or
-    None (a segment running alone)."""
+def _span(timeline, kind: str, name: str):
+    return nullcontext() if timeline is None else timeline.span(kind, name)
+
+
+def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
+              timeline=None) -> None:
+    """Run one block: `block.fwd` on `fwd_execution` together with `block.bwd` on
+    `bwd_execution`, each in the program of its current phase (normally forward and
+    backward; two executions in the same direction work alike). Either side may be empty
+    or None (a segment running alone). `timeline` (a `dhelix.runtime.timeline.Timeline`)
+    records what the compute thread did; None records nothing."""
     strands = [s for s in (_Strand(fwd_execution, block.fwd) if block.fwd else None,
                            _Strand(bwd_execution, block.bwd) if block.bwd else None) if s]
     turn = 0
     while any(not s.done() for s in strands):
         for strand in strands:
-            strand.issue_collectives()
+            strand.issue_collectives(timeline)
         waiting = [s for s in strands if not s.done()]
         if not waiting:
             break
         ready = [s for s in waiting if s.execution.op_ready(s.head())]
         candidates = ready or waiting
         strand = candidates[turn % len(candidates)]
-        strand.run_head()
+        strand.run_head(timeline)
         turn += 1
     if barrier:
-        for strand in strands:
-            strand.execution.wait_pending()
+        with _span(timeline, "barrier", "block end"):
+            for strand in strands:
+                strand.execution.wait_pending()
 
 
 def run_blocks(fwd_execution, bwd_execution, blocks: Sequence[Block],
-               barrier: bool = True) -> None:
+               barrier: bool = True, timeline=None) -> None:
     """Run a layer pair's whole plan: every block in order."""
     for block in blocks:
-        run_block(fwd_execution, bwd_execution, block, barrier=barrier)
+        run_block(fwd_execution, bwd_execution, block, barrier=barrier, timeline=timeline)
 
 
-def run_alone(execution, order: Sequence[str]) -> None:
+def run_alone(execution, order: Sequence[str], timeline=None) -> None:
     """One strand with no partner (the first forward and the last backward of a step)."""
     if execution.phase == "fwd":
-        run_block(execution, None, Block(tuple(order), ()))
+        run_block(execution, None, Block(tuple(order), ()), timeline=timeline)
     else:
-        run_block(None, execution, Block((), tuple(order)))
+        run_block(None, execution, Block((), tuple(order)), timeline=timeline)

@@ -4,17 +4,24 @@
 a broken list is rejected before any tensor moves. Then, in list order:
 
 - `F`: one chunk forward. Its input is the previous hop's activation (received, or produced
-  on this rank at the folded path's turn), detached and marked `requires_grad` so each hop
-  has its own autograd graph; hop 0 embeds the batch. On the route's last hop the output
-  goes through `loss_func` and is scaled like Megatron's schedules (`* cp / m`).
+  on this rank at the folded path's turn); hop 0 embeds the batch. On the route's last hop
+  the output goes through `loss_func` and is scaled like Megatron's schedules (`* cp / m`).
 - `B`: one chunk backward with the received (or local) output gradient, or from the loss on
-  the first backward hop (through `grad_scale_func` when given, like Megatron); the input's
-  gradient is the hop's output.
-- `SI`: `si_runner(run_forward, run_backward)`. The default runs the forward, then the
-  backward; the strand executor (operator-level co-execution) plugs in here.
+  the first backward hop (scaled by `grad_scale_func` when given, like Megatron); the
+  input's gradient is the hop's output. The engine's `keep_loss(state, scaled_loss)`, called
+  right after the loss is computed, decides whether that loss is back-propagated then (the
+  DHelix engine does, so the logits do not wait for the backward pass) or at the backward.
+- `SI`: an SI block, the forward of one micro-batch and the backward of another given to the
+  pass engine together (`passes.si`).
 - `SEND`: `isend` of each tensor in payload order (never blocks; all sends are waited for
   at the end); `RECV`: blocking `recv` of each tensor in payload order. Each direction of a
   stage pair is FIFO with tag 0, which gives the deterministic pairing the validator proved.
+
+How a pass computes is the pass engine's business (`passes`): `AutogradPasses` runs the
+chunk module with autograd (SI blocks forward, then backward); the DHelix runtime's engine
+runs the layers operator by operator and co-executes an SI block's two passes
+(`dhelix.runtime.folded_passes`). The executor owns the bookkeeping: which tensors are
+ready, what each pass saved, the loss and its scaling.
 
 Guarantees: every micro-batch's passes and their accumulation into `.grad`/`main_grad`
 happen in the schedule's order; at the end nothing is left half-done (a leftover tensor
@@ -23,7 +30,8 @@ raises RuntimeError). Communication tensors all have the pipeline shape `tensor_
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,33 +40,82 @@ from dhelix.schedules.actions import BACKWARD, FORWARD, Action, Pass, Schedule, 
 from dhelix.schedules.validate import validate
 
 
-def sequential_si(run_forward: Callable[[], None], run_backward: Callable[[], None]) -> None:
-    """SI block without co-execution: the forward, then the backward."""
-    run_forward()
-    run_backward()
+@dataclass
+class ForwardWork:
+    """One forward pass for the engine: `inp` is the previous hop's activation (None on the
+    embedding hop; owned by the engine from now on)."""
+
+    batch: Any
+    chunk: int
+    inp: torch.Tensor | None
+
+
+@dataclass
+class BackwardWork:
+    """One backward pass for the engine: `state` is what the engine's forward of this
+    (micro-batch, chunk) returned; on the loss hop `grad` is None and `loss` is what the
+    engine's `keep_loss` returned, elsewhere `grad` is the gradient of the pass's output and
+    `loss` is None."""
+
+    state: Any
+    loss: torch.Tensor | None
+    grad: torch.Tensor | None
+
+
+class AutogradPasses:
+    """Passes through the chunk module with autograd; an SI block runs its forward, then its
+    backward. `forward_chunk(batch, chunk, input) -> output` (input None on hop 0)."""
+
+    def __init__(self, forward_chunk: Callable):
+        self.forward_chunk = forward_chunk
+
+    def forward(self, work: ForwardWork):
+        """Returns (state, output); the state is (input leaf, output with its graph)."""
+        inp = work.inp
+        if inp is not None:
+            inp = inp.detach().requires_grad_(True)
+        out = self.forward_chunk(work.batch, work.chunk, inp)
+        return (inp, out), out
+
+    @staticmethod
+    def keep_loss(state, loss):
+        """The scaled loss is back-propagated when its backward pass comes (Megatron's
+        order): keep it."""
+        return loss
+
+    def backward(self, work: BackwardWork):
+        """Back-propagates the loss or the output; returns the gradient of the pass's input
+        (None on the embedding hop)."""
+        inp, out = work.state
+        torch.autograd.backward(work.loss if work.loss is not None else out,
+                                grad_tensors=work.grad)
+        return None if inp is None else inp.grad
+
+    def si(self, forward: ForwardWork, backward: BackwardWork):
+        """(forward's (state, output), backward's input gradient), run one after the other."""
+        return self.forward(forward), self.backward(backward)
 
 
 class StageExecutor:
     """Runs `schedule.ranks[stage]`.
 
-    forward_chunk(batch, chunk, input_tensor) -> output: one chunk of this stage (input None
-        on hop 0); on the route's last hop its output is what `loss_func` takes.
+    passes: the pass engine (`AutogradPasses` or the DHelix runtime's); on the route's last
+        hop its forward output is what `loss_func` takes.
     loss_func(batch, output) -> (loss, info): Megatron's 2-tuple loss convention.
     next_batch() -> batch: this rank's next micro-batch (called once per micro-batch, in
         micro-batch order).
     peer_rank(stage) -> global rank of that pipeline stage.
     """
 
-    def __init__(self, schedule: Schedule, stage: int, *, forward_chunk: Callable,
+    def __init__(self, schedule: Schedule, stage: int, *, passes,
                  loss_func: Callable, next_batch: Callable, tensor_shape: tuple,
                  dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int],
-                 grad_scale_func: Callable | None = None, context_parallel_size: int = 1,
-                 si_runner: Callable = sequential_si):
+                 grad_scale_func: Callable | None = None, context_parallel_size: int = 1):
         self.schedule = schedule
         self.stage = stage
         self.path = schedule.path
         self.last_hop = schedule.path.num_hops - 1
-        self.forward_chunk = forward_chunk
+        self.passes = passes
         self.loss_func = loss_func
         self.next_batch = next_batch
         self.tensor_shape = tuple(tensor_shape)
@@ -67,13 +124,12 @@ class StageExecutor:
         self.peer_rank = peer_rank
         self.grad_scale_func = grad_scale_func
         self.cp = context_parallel_size
-        self.si_runner = si_runner
         # This rank's last backward hop of a micro-batch; its batch is dropped after it.
         self._final_backward_hop = max(h for h in range(self.path.num_hops)
                                        if self.path.stage(BACKWARD, h) == stage)
         self._batches: dict = {}
         self._fetched = 0
-        self._saved: dict = {}      # (mb, forward hop) -> (input, output)
+        self._saved: dict = {}      # (mb, forward hop) -> (engine state, scaled loss or None)
         self._ready: dict = {}      # TensorRef -> tensor (received or produced, not yet used)
         self._sends: list = []      # (work, tensor) pending isends
         self.losses: list = []      # loss_func infos, in micro-batch order of the loss hop
@@ -84,6 +140,7 @@ class StageExecutor:
         validate(self.schedule)
         for action in self.schedule.ranks[self.stage]:
             self._execute(action)
+            self._release_finished_sends()
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
@@ -93,6 +150,12 @@ class StageExecutor:
         if leftovers:
             raise RuntimeError(f"stage {self.stage} finished with " + ", ".join(leftovers))
         return self.losses
+
+    def _release_finished_sends(self) -> None:
+        """Drop the buffers of sends that have completed, so a sent activation does not
+        live until the end of the step."""
+        self._sends = [(work, tensor) for work, tensor in self._sends
+                       if not work.is_completed()]
 
     def _execute(self, action: Action) -> None:
         if action.kind == "SEND":
@@ -108,12 +171,17 @@ class StageExecutor:
                 dist.recv(buffer, src=peer)
                 self._ready[ref] = buffer
         elif action.kind == "F":
-            self._forward(action.forward)
+            work = self._forward_work(action.forward)
+            self._forward_done(action.forward, *self.passes.forward(work))
         elif action.kind == "B":
-            self._backward(action.backward)
+            work = self._backward_work(action.backward)
+            self._backward_done(action.backward, self.passes.backward(work))
         else:  # SI
-            self.si_runner(lambda: self._forward(action.forward),
-                           lambda: self._backward(action.backward))
+            forward = self._forward_work(action.forward)
+            backward = self._backward_work(action.backward)
+            (state, out), grad = self.passes.si(forward, backward)
+            self._forward_done(action.forward, state, out)
+            self._backward_done(action.backward, grad)
 
     def _batch(self, microbatch: int):
         while self._fetched <= microbatch:
@@ -121,33 +189,36 @@ class StageExecutor:
             self._fetched += 1
         return self._batches[microbatch]
 
-    def _forward(self, p: Pass) -> None:
+    def _forward_work(self, p: Pass) -> ForwardWork:
         batch = self._batch(p.microbatch)
-        chunk = self.path.chunk(FORWARD, p.hop)
         inp = None
         if p.hop > 0:
             inp = self._ready.pop(TensorRef(p.microbatch, FORWARD, p.hop - 1))
-            inp = inp.detach().requires_grad_(True)
-        out = self.forward_chunk(batch, chunk, inp)
+        return ForwardWork(batch, self.path.chunk(FORWARD, p.hop), inp)
+
+    def _forward_done(self, p: Pass, state, out) -> None:
+        loss = None
         if p.hop == self.last_hop:
-            loss, info = self.loss_func(batch, out)
-            out = loss * self.cp / self.schedule.num_microbatches
+            loss, info = self.loss_func(self._batches[p.microbatch], out)
+            loss = loss * self.cp / self.schedule.num_microbatches
             self.losses.append(info)
+            if self.grad_scale_func is not None:
+                loss = self.grad_scale_func(loss)
+            loss = self.passes.keep_loss(state, loss)
         else:
             self._ready[TensorRef(p.microbatch, FORWARD, p.hop)] = out
-        self._saved[(p.microbatch, p.hop)] = (inp, out)
+        self._saved[(p.microbatch, p.hop)] = (state, loss)
 
-    def _backward(self, p: Pass) -> None:
-        inp, out = self._saved.pop((p.microbatch, self.path.mirror_hop(p.hop)))
-        if p.hop == 0:
-            grad = None
-            if self.grad_scale_func is not None:
-                out = self.grad_scale_func(out)
-        else:
+    def _backward_work(self, p: Pass) -> BackwardWork:
+        state, loss = self._saved.pop((p.microbatch, self.path.mirror_hop(p.hop)))
+        grad = None
+        if p.hop > 0:
             grad = self._ready.pop(TensorRef(p.microbatch, BACKWARD, p.hop - 1))
-        torch.autograd.backward(out, grad_tensors=grad)
+        return BackwardWork(state, loss, grad)
+
+    def _backward_done(self, p: Pass, grad_input) -> None:
         if p.hop < self.last_hop:
-            self._ready[TensorRef(p.microbatch, BACKWARD, p.hop)] = inp.grad
+            self._ready[TensorRef(p.microbatch, BACKWARD, p.hop)] = grad_input
         if p.hop == self._final_backward_hop:
             self._batches.pop(p.microbatch, None)
 

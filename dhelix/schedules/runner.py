@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from dhelix.schedules.actions import Schedule
-from dhelix.schedules.executor import StageExecutor, sequential_si
+from dhelix.schedules.executor import AutogradPasses, StageExecutor
 from dhelix.training import forward_step as gpt_forward_step
 from dhelix.training import loss_func as gpt_loss_func
 from megatron_patches.folded_model import FoldedGPTModel
@@ -71,10 +71,10 @@ def _check_fit(schedule: Schedule, module, num_microbatches: int) -> None:
 
 def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
                               num_microbatches: int, seq_length: int, micro_batch_size: int,
-                              config, si_runner: Callable = sequential_si,
+                              config, passes=None,
                               loss_func: Callable = gpt_loss_func) -> list:
     """Run `schedule` on this rank's single model chunk (`model` or `[model]`) and finalise
-    the gradients. Returns the per-micro-batch loss dicts on the rank that computes the loss
+    the gradients. `passes` is the pass engine (default: `AutogradPasses` over the chunk). Returns the per-micro-batch loss dicts on the rank that computes the loss
     (first stage for folded, last for linear), [] elsewhere. Collective over all ranks."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
@@ -93,7 +93,7 @@ def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
               else torch.device("cpu"))
     executor = StageExecutor(
         schedule, parallel_state.get_pipeline_model_parallel_rank(),
-        forward_chunk=chunk_forward(chunk),
+        passes=passes if passes is not None else AutogradPasses(chunk_forward(chunk)),
         loss_func=lambda batch, out: loss_func(batch["loss_mask"], out),
         next_batch=lambda: next(data_iterator),
         tensor_shape=(seq, micro_batch_size, config.hidden_size),
@@ -102,7 +102,6 @@ def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
         peer_rank=lambda stage: dist.get_global_rank(pp_group, stage),
         grad_scale_func=config.grad_scale_func,
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        si_runner=si_runner,
     )
     no_sync = config.no_sync_func or nullcontext
     with no_sync():
@@ -113,10 +112,11 @@ def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
 
 
 def make_forward_backward_func(build_schedule: Callable[[int, int], Schedule],
-                               si_runner: Callable = sequential_si) -> Callable:
+                               passes=None) -> Callable:
     """A function with Megatron's `forward_backward_func` signature (what
     `dhelix.training.Trainer.forward_backward_func` holds) that runs
-    `build_schedule(pp, num_microbatches)` through the executor.
+    `build_schedule(pp, num_microbatches)` through the executor, with the pass engine
+    `passes` (default: `AutogradPasses` over the model chunk).
 
     The executor handles batches itself, exactly like `dhelix.training.forward_step`; any
     other `forward_step_func` is refused rather than silently ignored.
@@ -139,6 +139,6 @@ def make_forward_backward_func(build_schedule: Callable[[int, int], Schedule],
             cache[key], model=chunks, data_iterator=data_iterator,
             num_microbatches=num_microbatches, seq_length=seq_length,
             micro_batch_size=micro_batch_size, config=get_model_config(chunks[0]),
-            si_runner=si_runner)
+            passes=passes)
 
     return forward_backward

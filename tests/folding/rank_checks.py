@@ -17,9 +17,9 @@ from dhelix.parallel import (
 )
 from dhelix.parity import gather_full_tensors, max_abs_diff
 from dhelix.schedules.actions import PipelinePath
-from dhelix.schedules.executor import sequential_si
 from dhelix.schedules.one_f_one_b import build_1f1b_schedule
-from dhelix.schedules.runner import make_forward_backward_func
+from dhelix.schedules.executor import AutogradPasses
+from dhelix.schedules.runner import chunk_forward, make_forward_backward_func
 from dhelix.schedules.sequential import build_sequential_schedule
 from dhelix.schedules.w_schedule import build_w_schedule
 from dhelix.training import Trainer, reduce_loss_to_all_ranks
@@ -57,15 +57,16 @@ def _stock_embedding_group_rejected(args) -> list:
     return everyone
 
 
-class CountingSI:
-    """An SI runner that counts the blocks it runs (forward, then backward)."""
+class CountingSI(AutogradPasses):
+    """Autograd passes that count the SI blocks they run (forward, then backward)."""
 
-    def __init__(self):
+    def __init__(self, model):
+        super().__init__(chunk_forward(model))
         self.blocks = 0
 
-    def __call__(self, run_forward, run_backward):
+    def si(self, forward, backward):
         self.blocks += 1
-        sequential_si(run_forward, run_backward)
+        return super().si(forward, backward)
 
 
 def _fresh_step(trainer: Trainer, loss_on_first_stage: bool) -> tuple[float, dict]:
@@ -115,8 +116,8 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
         row["load_stock_param_diff"], _ = max_abs_diff(
             init_params, gather_full_tensors(folded.model, "param"))
         for sched_name, builder in FOLDED_SCHEDULES.items():
-            counter = CountingSI()
-            folded.forward_backward_func = make_forward_backward_func(builder, si_runner=counter)
+            counter = CountingSI(folded.model[0])
+            folded.forward_backward_func = make_forward_backward_func(builder, passes=counter)
             loss, grads = _fresh_step(folded, loss_on_first_stage=True)
             row[f"{sched_name}_si_blocks"] = counter.blocks
             row[f"{sched_name}_loss_diff"] = abs(loss - ref_loss)

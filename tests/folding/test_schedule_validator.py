@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dhelix.schedules.actions import Action, Pass, TensorRef
-from dhelix.schedules.executor import StageExecutor
+from dhelix.schedules.executor import AutogradPasses, StageExecutor
 from dhelix.schedules.validate import ScheduleError, find_problems, validate
 from dhelix.schedules.w_schedule import build_w_schedule
 
@@ -121,7 +121,7 @@ def test_executor_rejects_before_running(w):
         raise AssertionError("the executor ran something for a broken schedule")
 
     executor = StageExecutor(
-        broken, 0, forward_chunk=must_not_run, loss_func=must_not_run,
+        broken, 0, passes=AutogradPasses(must_not_run), loss_func=must_not_run,
         next_batch=must_not_run, tensor_shape=(4, 1, 8), dtype=torch.float32,
         device=torch.device("cpu"), peer_rank=must_not_run)
     with pytest.raises(ScheduleError, match="computed 0 times"):

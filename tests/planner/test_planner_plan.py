@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dhelix.file_formats import FormatError
-from planner.baselines import round_robin_pairing, sequential_pairing
+from planner.baselines import round_robin_pairing, sequential_pairing, staggered_pairing
 from planner.blocks import pairing_violation
 from planner.build import make_plan
 from planner.costs import build_cost_model
@@ -153,3 +153,23 @@ def test_baselines(layer):
     assert pairing_violation(fwd, bwd, sequential_pairing(fwd, bwd)) is None
     with pytest.raises(ValueError, match="unknown pairer"):
         make_plan(fwd, bwd, costs, "greedy")
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_staggered_pairing_overlaps_each_collective_with_the_other_halfs_compute(layer,
+                                                                               direction):
+    """Domino-style: two strands of the same DAG, the second one unit behind; legal, and
+    every block holding a collective pairs it with computation of the other strand only."""
+    fwd, bwd = layer[0], layer[1]
+    dag = fwd if direction == "fwd" else bwd
+    pairing = staggered_pairing(dag, dag)
+    assert pairing_violation(dag, dag, pairing) is None
+    ops = dag.by_id()
+    hidden = 0
+    for block in pairing.blocks:
+        kinds_a = {ops[i].kind for i in block.fwd}
+        kinds_b = {ops[i].kind for i in block.bwd}
+        if block.paired and "comm" in kinds_a | kinds_b:
+            assert not ("comm" in kinds_a and "comm" in kinds_b)
+            hidden += 1
+    assert hidden >= sum(op.kind == "comm" for op in dag.ops)  # each half's collectives

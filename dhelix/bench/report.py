@@ -1,0 +1,151 @@
+"""Turn the benchmark's raw per-rank measurements into its results: JSON, markdown and a
+bar chart.
+
+Per system and configuration: step time = the slowest rank's median over the measured
+repetitions (ranks finish a step together through the collectives); tokens/s = global
+batch x sequence length / step time; speedup = T_megatron / T_x; share of the exposed
+communication hidden = (T_megatron - T_x) / (T_megatron - T_commfree), where T_commfree is
+the timing-only communication-free bound (1.0 = as fast as without communication; it is
+undefined when the bound is not faster than Megatron); peak memory per rank = the compute
+thread's peak tensor bytes during one forward/backward (`dhelix.memtrace`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+def summarise_config(raw: dict) -> dict:
+    """`raw`: {"config", "ranks": [per-rank bench_body results], "runs": {name: {label,
+    unavailable, timing_only}}, "tokens_per_step", ...}. Returns the configuration's rows
+    (every system, n/a ones with their reason) and the comm share of Megatron's step."""
+    ranks = raw.get("ranks") or []
+    step = {}
+    for name in (ranks[0]["times"] if ranks else {}):
+        step[name] = max(statistics.median(r["times"][name]) for r in ranks)
+    t_meg, t_free = step.get("megatron"), step.get("commfree")
+    exposed = (t_meg - t_free) if (t_meg is not None and t_free is not None) else None
+    rows = []
+    for name, run in raw["runs"].items():
+        row = {"system": name, "label": run["label"], "timing_only": run["timing_only"],
+               "unavailable": run["unavailable"]}
+        if name in step:
+            t = step[name]
+            row.update(
+                step_s=t,
+                tokens_per_s=raw["tokens_per_step"] / t,
+                speedup=t_meg / t if t_meg else None,
+                hidden_share=((t_meg - t) / exposed) if exposed and exposed > 0 else None,
+                peak_bytes_per_rank=[r["memory"][name] for r in ranks],
+                step_s_per_rank=[statistics.median(r["times"][name]) for r in ranks],
+                plan=ranks[0]["plans"].get(name),
+                timeline=_slowest_rank_timeline(ranks, name))
+        rows.append(row)
+    return {"config": raw["config"], "rows": rows,
+            "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
+            else None}
+
+
+def _slowest_rank_timeline(ranks: list, name: str) -> dict | None:
+    """The recorded step (`bench_body`'s timeline totals) of the rank that waited longest on
+    communication, or None for systems without the DHelix runtime."""
+    timelines = [r.get("timelines", {}).get(name) for r in ranks]
+    timelines = [t for t in timelines if t]
+    if not timelines:
+        return None
+    return max(timelines, key=lambda t: t["wait"] + t["barrier"])
+
+
+def _fmt(value, pattern: str, missing: str = "-") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return missing
+    return pattern.format(value)
+
+
+def markdown(results: dict) -> str:
+    """One table per configuration, with its setting and load."""
+    lines = ["# DHelix benchmark", "",
+             f"Model: `{' '.join(results['megatron_args'])}`; {results['reps']} measured "
+             f"repetitions after {results['warmup']} warm-up, interleaved across systems. "
+             "Step time = slowest rank's median. Hidden share = (T_megatron - T_x) / "
+             "(T_megatron - T_commfree). The comm-free row is a timing-only bound (its "
+             "collectives are no-ops, its numerics are wrong).", ""]
+    for entry in results["configs"]:
+        cfg = entry["config"]
+        share = entry["summary"]["comm_share_of_megatron"]
+        lines += [f"## ({cfg['name']}) {cfg['description']}", "",
+                  f"Link {entry['bandwidth']}; load average before/after "
+                  f"{entry['load_before']} / {entry['load_after']}; communication = "
+                  f"{_fmt(share, '{:.0%}')} of Megatron's step; cleanup: "
+                  f"{entry['cleanup']}.", "",
+                  "| system | step (ms) | tokens/s | speedup vs Megatron | comm hidden | "
+                  "peak mem / rank (MiB, max) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for row in entry["summary"]["rows"]:
+            if row["unavailable"]:
+                lines.append(f"| {row['label']} | n/a ({row['unavailable']}) | | | | |")
+                continue
+            if "step_s" not in row:
+                lines.append(f"| {row['label']} | not measured | | | | |")
+                continue
+            hidden = "(bound)" if row["system"] == "commfree" else _fmt(row["hidden_share"],
+                                                                        "{:.0%}")
+            lines.append(
+                f"| {row['label']} | {row['step_s'] * 1e3:.0f} | {row['tokens_per_s']:.0f} | "
+                f"{_fmt(row['speedup'], '{:.3f}x')} | {hidden} | "
+                f"{max(row['peak_bytes_per_rank']) / 2**20:.1f} |")
+        lines += [""] + _timeline_table(entry["summary"]["rows"])
+    return "\n".join(lines)
+
+
+def _timeline_table(rows: list) -> list:
+    """Where one recorded step of each DHelix-runtime system went on the compute thread (the
+    rank that waited longest): computation, issuing collectives, waiting on collectives,
+    block barriers, and everything outside the layers (embedding, loss, pipeline transfers,
+    Python)."""
+    recorded = [r for r in rows if r.get("timeline")]
+    if not recorded:
+        return []
+    lines = ["Recorded step (compute thread of the rank that waited longest, ms):", "",
+             "| system | step | layer compute | issue | wait on comm | barrier | outside layers |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in recorded:
+        t = row["timeline"]
+        outside = t["step_s"] - t["recorded"]
+        lines.append(f"| {row['label']} | {t['step_s'] * 1e3:.0f} | {t['compute'] * 1e3:.0f} | "
+                     f"{t['issue'] * 1e3:.0f} | {t['wait'] * 1e3:.0f} | "
+                     f"{t['barrier'] * 1e3:.0f} | {outside * 1e3:.0f} |")
+    return lines + [""]
+
+
+def bar_chart(results: dict, path) -> None:
+    """tokens/s per system, one panel per configuration; n/a systems are labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = results["configs"]
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.2), squeeze=False)
+    for ax, entry in zip(axes[0], configs):
+        rows = entry["summary"]["rows"]
+        names = [r["system"] for r in rows]
+        values = [r.get("tokens_per_s") or 0.0 for r in rows]
+        colors = ["#bbbbbb" if r["timing_only"] else "#4c72b0" if r["system"] == "dhelix"
+                  else "#dd8452" for r in rows]
+        bars = ax.bar(range(len(rows)), values, color=colors)
+        for bar, row in zip(bars, rows):
+            text = "n/a" if row["unavailable"] or "step_s" not in row else (
+                f"{row['speedup']:.2f}x" if row.get("speedup") else "")
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"({entry['config']['name']}) {entry['config']['description']}",
+                     fontsize=9)
+    fig.suptitle("tokens/s (label: speedup over Megatron; grey: timing-only bound)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

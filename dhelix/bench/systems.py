@@ -1,0 +1,120 @@
+"""The systems and configurations the benchmark compares.
+
+Every system is the same `pretrain_gpt` training (same model, seed, so same initial weights,
+same data) with a few extra arguments; all but Megatron run on dhelix's operator programs
+and strand executor (`dhelix.runtime`), so the baselines are options of one code path:
+
+- megatron: no extra arguments; megatron-core's own schedule (no pipelining, or 1F1B with
+  PP>1).
+- commfree: `--dhelix --dhelix-pairer sequential --dhelix-commfree-timing-only`; the
+  operator programs in sequence, every layer collective a no-op. TIMING ONLY.
+- ops_sequential: `--dhelix --dhelix-pairer sequential`; the same with real collectives (a
+  reference: how close the programs' compute is to Megatron's).
+- domino: `--dhelix --dhelix-pairer domino`; Domino-style intra-batch split, two batch halves
+  per layer, staggered.
+- wavelet: `--dhelix --dhelix-pairer round_robin`; micro-batch pairs, round-robin operator
+  interleaving, no planning.
+- dhelix: `--dhelix --dhelix-pairer dp [--dhelix-profile P]`; micro-batch pairs with the DP
+  plan from the profile (or from analytic costs, labelled so).
+
+With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped schedule
+(the pairer decides how each SI block's layer pairs are interleaved); Megatron runs 1F1B.
+A system is "n/a" in a configuration when the runtime refuses it there
+(`check_dhelix_supported`), with the runtime's reason: the Domino-style split runs without
+pipelining only. Adding a system is one `System` entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    label: str
+    args: tuple = ()
+    timing_only: bool = False
+    uses_profile: bool = False
+
+
+SYSTEMS = (
+    System("megatron", "Megatron-core"),
+    System("commfree", "comm-free bound (timing only)",
+           ("--dhelix", "--dhelix-pairer", "sequential", "--dhelix-commfree-timing-only"),
+           timing_only=True),
+    System("ops_sequential", "operator programs, sequential",
+           ("--dhelix", "--dhelix-pairer", "sequential")),
+    System("domino", "Domino-style (intra-batch split)",
+           ("--dhelix", "--dhelix-pairer", "domino")),
+    System("wavelet", "Wavelet-style (round robin)",
+           ("--dhelix", "--dhelix-pairer", "round_robin")),
+    System("dhelix", "DHelix", ("--dhelix", "--dhelix-pairer", "dp"), uses_profile=True),
+)
+SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One benchmark configuration: cluster shape and parallel layout."""
+
+    name: str
+    nodes: int
+    ranks_per_node: int
+    tp: int
+    pp: int
+    description: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def parallel_args(self) -> list:
+        return ["--tensor-model-parallel-size", str(self.tp),
+                "--pipeline-model-parallel-size", str(self.pp)]
+
+
+CONFIGS = {
+    "a": Config("a", 2, 1, tp=2, pp=1, description="2 nodes x 1 rank, TP=2 across nodes"),
+    "b": Config("b", 2, 2, tp=4, pp=1, description="2 nodes x 2 ranks, TP=4"),
+    "c": Config("c", 2, 2, tp=2, pp=2,
+                description="2 nodes x 2 ranks, TP=2 within nodes, PP=2 across nodes"),
+}
+
+
+@dataclass
+class SystemRun:
+    """A system as run in one configuration: its full extra arguments and its label, or the
+    reason it cannot run there."""
+
+    system: System
+    args: list = field(default_factory=list)
+    label: str = ""
+    unavailable: str | None = None
+
+
+def plan_system(system: System, config: Config, base_args: list,
+                profile: str | None) -> SystemRun:
+    """The arguments `system` runs with in `config` (adding `--dhelix-profile` to the DHelix
+    system when a profile is given, marking the analytic fallback otherwise), or why it
+    cannot run there. Pure argument checks: no process group needed."""
+    from dhelix.arguments import ArgumentError, parse_args
+    from dhelix.runtime.setup import DHelixSetupError, check_dhelix_supported
+
+    args = list(system.args)
+    label = system.label
+    if system.uses_profile:
+        if profile:
+            args += ["--dhelix-profile", profile]
+            label += " (plan from profile)"
+        else:
+            label += " (analytic-cost plan, no profile)"
+    run = SystemRun(system, args, label)
+    try:
+        parsed = parse_args(base_args + config.parallel_args() + args,
+                            world_size=config.world_size)
+        if parsed.dhelix:
+            check_dhelix_supported(parsed)
+    except (ArgumentError, DHelixSetupError) as exc:
+        run.unavailable = str(exc)
+    return run

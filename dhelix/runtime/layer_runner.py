@@ -1,0 +1,91 @@
+"""Decoder layers run operator by operator, alone or as the paired layers of an SI block.
+
+One `LayerRunner` per rank serves every DHelix schedule (PP=1 and the folded W schedule):
+it owns this rank's bound layers, the communication lanes and the plan (strand orders and
+blocks), and knows nothing about micro-batches, embeddings or losses.
+
+Tensor ownership: layer inputs handed in are plain tensors (no autograd graph); each layer
+execution holds its activations until their last backward reader and hands its output over
+(`dhelix.ops.runner`). The executions returned by a forward belong to the caller, who hands
+them back, in backward order, to `backward_alone` or `run_paired`; after their backward
+they hold nothing. Compute runs on the calling thread / current stream, collectives on the
+lanes (`dhelix.runtime.lanes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dhelix.runtime.strand_executor import Block, run_alone, run_blocks
+
+
+@dataclass
+class LayerRunner:
+    """`bound_layers[i]` binds local layer i; `lanes` (None without TP) routes collectives;
+    `fwd_order` / `bwd_order` / `blocks` come from the plan (one plan for all layers);
+    `timeline` (a `dhelix.runtime.timeline.Timeline`, default None) records what the
+    compute thread does, for explaining step times."""
+
+    bound_layers: Sequence
+    lanes: object
+    fwd_order: tuple
+    bwd_order: tuple
+    blocks: tuple
+    timeline: object = None
+
+    def __post_init__(self):
+        self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
+
+    def new_execution(self, layer: int):
+        """A fresh execution of local layer `layer`, its collectives on the lanes."""
+        execution = self.bound_layers[layer].new_execution()
+        if self.lanes is not None:
+            self.lanes.attach(execution)
+        return execution
+
+    def forward_alone(self, layers: Sequence[int], x: torch.Tensor,
+                      rotary_pos_emb=None) -> tuple[torch.Tensor, list]:
+        """Forward of local layers `layers` in that order, each in the plan's forward order.
+        Returns the last output and the executions (forward order)."""
+        executions = []
+        for layer in layers:
+            execution = self.new_execution(layer)
+            execution.begin_forward(x, None, rotary_pos_emb)
+            run_alone(execution, self.fwd_order, self.timeline)
+            x = execution.end_forward()
+            executions.append(execution)
+        return x, executions
+
+    def backward_alone(self, executions: Sequence, grad: torch.Tensor) -> torch.Tensor:
+        """Backward through `executions` given in backward order (last layer first).
+        Returns the gradient of the first layer's input."""
+        for execution in executions:
+            execution.begin_backward(grad)
+            run_alone(execution, self.bwd_order, self.timeline)
+            grad = execution.end_backward()
+        return grad
+
+    def run_paired(self, fwd_layers: Sequence[int], x: torch.Tensor, rotary_pos_emb,
+                   bwd_executions: Sequence, grad: torch.Tensor):
+        """The layers of an SI block: forward of local layer `fwd_layers[i]` co-executed,
+        block by block as the plan says, with the backward of `bwd_executions[i]` (given in
+        backward order). Both lists have the same length.
+
+        Returns (forward output, forward executions in forward order, input gradient of the
+        last backward execution)."""
+        if len(fwd_layers) != len(bwd_executions):
+            raise ValueError(f"an SI block pairs layers one to one: {len(fwd_layers)} "
+                             f"forward layers, {len(bwd_executions)} backward layers")
+        executions = []
+        for layer, bwd in zip(fwd_layers, bwd_executions):
+            fwd = self.new_execution(layer)
+            fwd.begin_forward(x, None, rotary_pos_emb)
+            bwd.begin_backward(grad)
+            run_blocks(fwd, bwd, self.blocks, timeline=self.timeline)
+            x = fwd.end_forward()
+            grad = bwd.end_backward()
+            executions.append(fwd)
+        return x, executions, grad

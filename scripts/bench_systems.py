@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""The side-by-side benchmark (issue 8): Megatron, the communication-free bound (timing
+only), the Domino-style intra-batch split, the Wavelet-style round robin and DHelix, on the
+same model, weights, data and launch, across an emulated, bandwidth-shaped cluster.
+
+    sudo .venv/bin/python scripts/bench_systems.py --configs a,b,c --out bench_out
+    sudo .venv/bin/python scripts/bench_systems.py --quick --configs a --out /tmp/q  # tiny
+
+For each configuration ((a) 2 nodes x 1 rank TP=2; (b) 2 x 2 TP=4; (c) 2 x 2 TP=2 PP=2) it
+launches the emulated cluster once (`scripts/emulated_cluster.py`, which removes its
+namespaces and qdiscs on every exit path; checked again here) with this script as the
+worker: one torchrun launch builds every system (`scripts/bench_dhelix_pp1.bench_body`),
+warms up, then interleaves repetitions across systems. Writes OUT/results.json,
+OUT/results.md (a table per configuration) and OUT/results.png (bar chart); raw per-rank
+data and each launch's log under OUT/raw/. Model arguments after `--` replace the default
+model. Needs root, ip and tc. See docs/benchmark.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LAUNCHER = ROOT / "scripts" / "emulated_cluster.py"
+# Communication is 30-50% of Megatron's step at 800 Mbit/s for this model (docs/benchmark.md).
+DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
+                 "--seq-length", "256", "--max-position-embeddings", "256",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1000"]
+QUICK_MODEL = ["--preset", "tiny", "--num-layers", "4", "--global-batch-size", "4",
+               "--train-iters", "1000"]
+
+
+def per_config(values: list, option: str, configs: list) -> dict:
+    """`VALUE` (every configuration) or `CONFIG=VALUE` entries -> {config: value or None}."""
+    chosen = {name: None for name in configs}
+    for value in values or []:
+        name, sep, rest = value.partition("=")
+        if sep and len(name) == 1:
+            if name not in chosen:
+                raise SystemExit(f"error: {option} {value}: configuration {name!r} is not "
+                                 f"benchmarked (--configs {','.join(configs)})")
+            chosen[name] = rest
+        else:
+            chosen = {n: value if chosen[n] is None else chosen[n] for n in chosen}
+    return chosen
+
+
+def _leftovers(launcher_pid: int) -> list:
+    """Namespaces and /etc/netns entries of the cluster launcher with this pid."""
+    from dhelix.cluster.host import find_tool
+    from dhelix.cluster.nsconfig import ETC_NETNS
+
+    prefix = f"dhxc-{launcher_pid}-"
+    listed = subprocess.run([find_tool("ip"), "netns", "list"], capture_output=True,
+                            text=True).stdout.split()
+    found = [name for name in listed if name.startswith(prefix)]
+    if ETC_NETNS.is_dir():
+        found += [str(p) for p in ETC_NETNS.iterdir() if p.name.startswith(prefix)]
+    return found
+
+
+def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Path) -> dict:
+    """Launch the cluster for one configuration with every available system; returns the
+    configuration's entry of results.json (raw per-rank data included)."""
+    from dhelix.bench.report import summarise_config
+
+    base = model + config.parallel_args()
+    available = {name: run.args for name, run in runs.items() if not run.unavailable}
+    raw_path = raw_dir / f"{config.name}.ranks.json"
+    spec = {"megatron_args": base, "systems": available, "reps": ns.reps,
+            "warmup": ns.warmup, "out": str(raw_path)}
+    spec_path = raw_dir / f"{config.name}.spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    status, cleanup, ranks = "not launched (no system available)", "nothing launched", []
+    if available:
+        command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
+                   "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
+                   "--timeout", str(ns.timeout), "--", str(Path(__file__).resolve()),
+                   "--worker", str(spec_path)]
+        print(f"[bench] ({config.name}) {config.description}: {len(available)} systems, "
+              f"{bandwidth}", flush=True)
+        started = time.time()
+        with open(raw_dir / f"{config.name}.log", "w") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            code = proc.wait()
+        left = _leftovers(proc.pid)
+        cleanup = ("verified: no namespace or /etc/netns entry left" if not left
+                   else f"LEFT BEHIND: {left}")
+        status = f"exit {code} after {time.time() - started:.0f} s"
+        if code == 0 and raw_path.is_file():
+            ranks = json.loads(raw_path.read_text())["ranks"]
+        print(f"[bench] ({config.name}) {status}; cleanup {cleanup}", flush=True)
+    raw = {"config": config.name, "ranks": ranks,
+           "tokens_per_step": _tokens_per_step(base, config.world_size),
+           "runs": {name: {"label": run.label, "unavailable": run.unavailable,
+                           "timing_only": run.system.timing_only, "args": run.args}
+                    for name, run in runs.items()}}
+    if available and not ranks:
+        for name in available:
+            raw["runs"][name]["unavailable"] = f"launch failed ({status}, see raw/" \
+                                               f"{config.name}.log)"
+    return {"config": {"name": config.name, "description": config.description,
+                       "nodes": config.nodes, "ranks_per_node": config.ranks_per_node,
+                       "tp": config.tp, "pp": config.pp},
+            "bandwidth": bandwidth, "status": status, "cleanup": cleanup,
+            "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
+            "summary": summarise_config(raw), "raw": raw}
+
+
+def _tokens_per_step(base: list, world_size: int) -> int:
+    from dhelix.arguments import parse_args
+
+    args = parse_args(base, world_size=world_size)
+    return args.global_batch_size * args.seq_length
+
+
+def orchestrate(ns) -> int:
+    from dhelix.bench.report import bar_chart, markdown
+    from dhelix.bench.systems import CONFIGS, SYSTEMS, plan_system
+
+    if os.geteuid() != 0:
+        print("error: the benchmark runs on the emulated cluster, which needs root",
+              file=sys.stderr)
+        return 2
+    configs = [c.strip() for c in ns.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"error: --configs: unknown {unknown} (known: {', '.join(CONFIGS)})",
+              file=sys.stderr)
+        return 2
+    systems = [s for s in SYSTEMS if ns.systems is None or s.name in ns.systems.split(",")]
+    if not any(s.name == "megatron" for s in systems):
+        print("error: --systems must include megatron (the baseline)", file=sys.stderr)
+        return 2
+    model = ns.model_args or (QUICK_MODEL if ns.quick else DEFAULT_MODEL)
+    bandwidths = per_config(ns.bandwidth, "--bandwidth", configs)
+    profiles = per_config(ns.dhelix_profile, "--dhelix-profile", configs)
+    for name, path in profiles.items():
+        if path is not None:
+            if not Path(path).is_file():
+                print(f"error: --dhelix-profile {path} (configuration {name}): no such file",
+                      file=sys.stderr)
+                return 2
+            profiles[name] = str(Path(path).resolve())  # the worker runs in the repository
+    out = Path(ns.out).resolve()
+    raw_dir = out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    results = {"megatron_args": model, "reps": ns.reps, "warmup": ns.warmup,
+               "systems": [s.name for s in systems], "configs": []}
+    failed = False
+    for name in configs:
+        config = CONFIGS[name]
+        runs = {s.name: plan_system(s, config, model, profiles[name]) for s in systems}
+        entry = run_config(config, runs, model, ns, bandwidths[name] or "800mbit", raw_dir)
+        failed |= not entry["status"].startswith("exit 0") or "LEFT" in entry["cleanup"]
+        results["configs"].append(entry)
+        _write(out, results, markdown, bar_chart)  # partial results survive a later failure
+    print((out / "results.md").read_text())
+    return 1 if failed else 0
+
+
+def _write(out: Path, results: dict, markdown, bar_chart) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    bar_chart(results, out / "results.png")
+
+
+def worker(spec_path: str) -> int:
+    """Under torchrun on the cluster: every rank runs bench_body; rank 0 writes the
+    per-rank results to the spec's `out`."""
+    import torch.distributed as dist
+
+    from dhelix.harness import RankContext
+    from scripts.bench_dhelix_pp1 import bench_body
+
+    spec = json.loads(Path(spec_path).read_text())
+    result = bench_body(RankContext(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])),
+                        spec["megatron_args"], spec["reps"], spec["warmup"], spec["systems"])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps({"ranks": everyone}))
+    dist.barrier()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="a,b,c", help="comma-separated: a, b, c")
+    parser.add_argument("--systems", default=None,
+                        help="comma-separated subset (default all: megatron, commfree, "
+                             "ops_sequential, domino, wavelet, dhelix)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="measured repetitions (default 5; 1 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="unmeasured repetitions first (default 1; 0 with --quick)")
+    parser.add_argument("--bandwidth", action="append", default=None,
+                        help="link rate, e.g. 800mbit (default), or CONFIG=RATE; repeatable")
+    parser.add_argument("--dhelix-profile", action="append", default=None,
+                        help="profile for the DHelix plan (taken on the same emulated "
+                             "cluster): PATH for every configuration or CONFIG=PATH; "
+                             "repeatable. Without one the DHelix row uses analytic costs")
+    parser.add_argument("--out", default="bench_out", help="output directory")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny case (for the test): 2-layer tiny model, 1 repetition")
+    parser.add_argument("--timeout", type=int, default=1800,
+                        help="seconds per configuration before the cluster is stopped")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("model_args", nargs=argparse.REMAINDER,
+                        help="after --: Megatron model arguments replacing the default model")
+    ns = parser.parse_args(argv)
+    if ns.worker:
+        return worker(ns.worker)
+    ns.model_args = ns.model_args[1:] if ns.model_args[:1] == ["--"] else ns.model_args
+    if ns.reps is None:
+        ns.reps = 1 if ns.quick else 5
+    if ns.warmup is None:
+        ns.warmup = 0 if ns.quick else 1
+    return orchestrate(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

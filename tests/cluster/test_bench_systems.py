@@ -1,0 +1,70 @@
+"""The side-by-side benchmark end to end on the emulated cluster (needs root, ip, tc; skipped
+otherwise): a tiny case of the documented command for configurations (a) and (c) writes the
+JSON, markdown and PNG with every system and configuration requested, finite numbers for
+every system that ran, "n/a" with its reason for the one that cannot run with PP=2 (the
+Domino-style split), and leaves no namespace, /etc/netns entry or host qdisc behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from dhelix.bench.systems import SYSTEM_NAMES
+from tests.cluster.support import ROOT, host_network_state, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=str(unavailable_reason()))
+
+
+def _namespaces() -> set:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
+    before_ns, before_host = _namespaces(), host_network_state()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_systems.py"), "--quick",
+         "--configs", "a,c", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [c["config"]["name"] for c in results["configs"]] == ["a", "c"]
+    for entry in results["configs"]:
+        assert entry["cleanup"].startswith("verified"), entry["cleanup"]
+        rows = {row["system"]: row for row in entry["summary"]["rows"]}
+        assert set(rows) == set(SYSTEM_NAMES)
+        for name, row in rows.items():
+            if row["unavailable"]:
+                assert entry["config"]["pp"] > 1 and name == "domino", row
+                continue
+            for key in ("step_s", "tokens_per_s", "speedup"):
+                assert math.isfinite(row[key]) and row[key] > 0, (name, key, row)
+            assert all(b > 0 for b in row["peak_bytes_per_rank"])
+            assert len(row["peak_bytes_per_rank"]) == (entry["config"]["nodes"]
+                                                       * entry["config"]["ranks_per_node"])
+    a = {row["system"]: row for row in results["configs"][0]["summary"]["rows"]}
+    assert not any(row["unavailable"] for row in a.values())  # PP=1: every system runs
+    assert a["megatron"]["timeline"] is None  # Megatron's own schedule is not recorded
+    for name in ("ops_sequential", "domino", "wavelet", "dhelix"):
+        timeline = a[name]["timeline"]
+        assert timeline["compute"] > 0 and timeline["issue"] > 0, (name, timeline)
+        assert timeline["recorded"] <= timeline["step_s"]
+    c = {row["system"]: row for row in results["configs"][1]["summary"]["rows"]}
+    assert c["dhelix"]["unavailable"] is None and "without pipelining" in c["domino"]["unavailable"]
+    text = (tmp_path / "results.md").read_text()
+    assert "## (a)" in text and "## (c)" in text and "n/a (--dhelix-pairer domino" in text
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    # nothing of ours left: no new namespace (other runs may start their own meanwhile,
+    # so only names carrying this benchmark's launcher pids count), no host qdisc change
+    assert host_network_state() == before_host
+    new = _namespaces() - before_ns
+    launched = [line for line in (tmp_path / "raw" / "a.log").read_text().splitlines()
+                if "[cluster]" in line and "removed its namespaces" in line]
+    assert launched, "the cluster launcher did not report its cleanup"
+    run_id = launched[0].split("[cluster] ")[1].split(":")[0]
+    assert not [n for n in new if n.startswith(run_id)]

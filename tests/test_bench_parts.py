@@ -1,0 +1,96 @@
+"""The benchmark's parts that need no cluster: system planning per configuration, the
+per-configuration option syntax, and the report (hidden share, n/a rows, markdown, chart)."""
+
+import math
+
+import pytest
+
+from dhelix.bench.report import bar_chart, markdown, summarise_config
+from dhelix.bench.systems import CONFIGS, SYSTEMS, plan_system
+from scripts.bench_systems import per_config
+
+MODEL = ["--preset", "tiny"]
+
+
+def _runs(config, profile=None):
+    return {s.name: plan_system(s, CONFIGS[config], MODEL, profile) for s in SYSTEMS}
+
+
+def test_every_system_runs_with_pp1_and_all_but_domino_with_pp2():
+    for config in ("a", "b"):
+        assert all(run.unavailable is None for run in _runs(config).values())
+    runs = _runs("c")
+    for name in ("megatron", "commfree", "ops_sequential", "wavelet", "dhelix"):
+        assert runs[name].unavailable is None
+    assert "without pipelining" in runs["domino"].unavailable
+
+
+def test_dhelix_row_takes_the_profile_or_says_it_is_analytic(tmp_path):
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    with_profile = _runs("a", str(profile))["dhelix"]
+    assert with_profile.args[-2:] == ["--dhelix-profile", str(profile)]
+    assert "plan from profile" in with_profile.label
+    assert "analytic" in _runs("a")["dhelix"].label
+    assert _runs("a")["commfree"].system.timing_only
+
+
+def test_per_config_values():
+    assert per_config(["800mbit", "b=200mbit"], "--bandwidth", ["a", "b"]) == {
+        "a": "800mbit", "b": "200mbit"}
+    assert per_config(None, "--bandwidth", ["a"]) == {"a": None}
+    with pytest.raises(SystemExit, match="not benchmarked"):
+        per_config(["c=1mbit"], "--bandwidth", ["a"])
+
+
+def _raw():
+    runs = _runs("a")
+    times = {"megatron": [4.0, 4.2, 4.1], "commfree": [3.0, 3.0, 3.1],
+             "ops_sequential": [4.0, 4.1, 4.0], "domino": [3.8, 3.8, 3.9],
+             "wavelet": [3.6, 3.7, 3.6], "dhelix": [3.2, 3.2, 3.3]}
+    ranks = [{"times": {k: [t * f for t in v] for k, v in times.items()},
+              "memory": {k: 2**20 for k in times}, "plans": {},
+              "timelines": {"dhelix": {"compute": 2.0, "issue": 0.1, "wait": 0.3 * f,
+                                       "barrier": 0.2, "recorded": 2.3 + 0.3 * f,
+                                       "step_s": 3.2}}} for f in (1.0, 1.01)]
+    return {"config": "a", "ranks": ranks, "tokens_per_step": 2048,
+            "runs": {n: {"label": r.label, "unavailable": r.unavailable,
+                         "timing_only": r.system.timing_only} for n, r in runs.items()}}
+
+
+def test_summary_speedup_and_hidden_share():
+    summary = summarise_config(_raw())
+    rows = {r["system"]: r for r in summary["rows"]}
+    t_meg, t_free, t_dh = 4.1 * 1.01, 3.0 * 1.01, 3.2 * 1.01  # slowest rank's medians
+    assert rows["dhelix"]["step_s"] == pytest.approx(t_dh)
+    assert rows["dhelix"]["speedup"] == pytest.approx(t_meg / t_dh)
+    assert rows["dhelix"]["hidden_share"] == pytest.approx((t_meg - t_dh) / (t_meg - t_free))
+    assert rows["commfree"]["hidden_share"] == pytest.approx(1.0)
+    assert rows["dhelix"]["tokens_per_s"] == pytest.approx(2048 / t_dh)
+    assert summary["comm_share_of_megatron"] == pytest.approx((t_meg - t_free) / t_meg)
+
+
+def test_markdown_and_chart_with_na_rows(tmp_path):
+    c_raw = {"config": "c", "ranks": [], "tokens_per_step": 2048,
+             "runs": {n: {"label": r.label, "unavailable": r.unavailable,
+                          "timing_only": r.system.timing_only}
+                      for n, r in _runs("c").items()}}
+    entries = []
+    for name, raw in (("a", _raw()), ("c", c_raw)):
+        cfg = CONFIGS[name]
+        entries.append({"config": {"name": name, "description": cfg.description},
+                        "bandwidth": "800mbit", "load_before": [1, 1, 1],
+                        "load_after": [1, 1, 1], "cleanup": "verified",
+                        "summary": summarise_config(raw)})
+    results = {"megatron_args": MODEL, "reps": 3, "warmup": 1, "configs": entries}
+    text = markdown(results)
+    # the recorded step of the rank that waited longest: 3200 ms step, 303 ms waiting,
+    # 3200 - 2603 = 597 ms outside the layers
+    assert "| DHelix (analytic-cost plan, no profile) | 3200 | 2000 | 100 | 303 | 200 | 597 |" \
+        in text
+    assert "## (a)" in text and "## (c)" in text
+    assert "n/a (--dhelix-pairer domino (intra-batch split) runs without" in text
+    assert "(bound)" in text
+    assert not math.isnan(entries[0]["summary"]["comm_share_of_megatron"])
+    bar_chart(results, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 10_000
