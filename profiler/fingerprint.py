@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from importlib import metadata
 
 from dhelix.file_formats import REGENERATE, FormatError
@@ -166,12 +167,20 @@ def check_profile_hardware(profile, path, current: dict) -> None:
             f"with `{REGENERATE['profile']}`")
 
 
+def _layer_relevant(fingerprint):
+    """A run fingerprint without the pipeline size (`-pp<N>`), which does not change a
+    layer's operators: a TP=2 profile serves TP=2 x PP=2 training."""
+    return re.sub(r"-pp\d+", "", fingerprint) if isinstance(fingerprint, str) else fingerprint
+
+
 def check_profile_run(profile, path, model: str | None, parallel: str | None) -> None:
     """Refuse a profile whose recorded model / parallel fingerprints (meta, written by
-    `dhelix profile`) differ from this run's (None: not compared)."""
+    `dhelix profile`) differ from this run's (None: not compared; the pipeline size is
+    not compared)."""
     problems = [f"{name}: profile has {profile.meta.get(name)!r}, this run has {value!r}"
                 for name, value in (("model", model), ("parallel", parallel))
-                if value is not None and name in profile.meta and profile.meta[name] != value]
+                if value is not None and name in profile.meta
+                and _layer_relevant(profile.meta[name]) != _layer_relevant(value)]
     if problems:
         raise FormatError(
             f"{path}: profile was measured for another configuration ({'; '.join(problems)}); "

@@ -126,6 +126,10 @@ def test_training_refuses_profile_of_other_configuration(tmp_path):
         _resolve_plan(_run_args(tmp_path, path), dags["fwd"], dags["bwd"])
     assert "parallel: profile has 'tp2-pp1-sp', this run has 'tp2-pp1-nosp'" in str(err.value)
     assert str(path) in str(err.value) and "dhelix profile" in str(err.value)
+    from profiler.fingerprint import check_profile_run
+
+    pp2 = _profile(meta={"parallel": "tp2-pp2-nosp"})  # PP does not change the layer
+    check_profile_run(pp2, "pp2.json", MODEL, "tp2-pp1-nosp")
 
 
 def test_training_accepts_matching_profile_and_counts_estimates(tmp_path):
