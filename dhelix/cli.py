@@ -17,6 +17,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "dhelix.env_report",
     "dhelix.ops.cli",
+    "profiler.cli",
     "planner.cli",
     "dhelix.schedules.cli",
     "dhelix.cluster.cli",

@@ -50,8 +50,37 @@ def _load_inputs(args):
     for dag, path, want in ((fwd, args.fwd_dag, "fwd"), (bwd, args.bwd_dag, "bwd")):
         if dag.direction != want:
             raise FormatError(f"{path}: is a {dag.direction} DAG, expected a {want} DAG")
-    profile = load_profile(args.profile) if args.profile else None
-    return fwd, bwd, build_cost_model(fwd, bwd, profile, args.profile or "profile")
+    profile = None
+    if args.profile:
+        from profiler.fingerprint import check_profile_run
+
+        profile = load_profile(args.profile)
+        check_profile_run(profile, args.profile, args.model, args.parallel)
+    return fwd, bwd, build_cost_model(fwd, bwd, profile, args.profile or "profile"), profile
+
+
+def profile_notes(costs, profile, profile_path, fwd, bwd) -> list[str]:
+    """What the plan's costs rest on: the profile's hardware (and whether it is this
+    machine) and how many operator pairs were measured or estimated."""
+    from planner.costs import pair_source_counts
+    from profiler.fingerprint import (describe_hardware, hardware_fingerprint,
+                                      plan_hardware_differences)
+    notes = [f"profile {profile_path}: measured on {describe_hardware(profile.hardware)}"]
+    differences = plan_hardware_differences(costs.hardware, hardware_fingerprint(1))
+    if differences:
+        notes.append("note: the profile's hardware is not this machine's ("
+                     + "; ".join(differences) + "); `--dhelix` training refuses this plan "
+                     "on any machine but the profiled one")
+    counts = pair_source_counts(costs, fwd, bwd)
+    total = sum(counts.values())
+    estimated = total - counts["measured"]
+    detail = ", ".join(f"{name} {counts[name]}" for name in ("class", "kind", "default")
+                       if counts[name])
+    notes.append(f"co-runnable operator pairs: {counts['measured']} of {total} measured, "
+                 f"{estimated} "
+                 f"estimated" + (f" ({detail})" if detail else "")
+                 + "; solo times: all measured")
+    return notes
 
 
 def run_build(args) -> int:
@@ -64,7 +93,7 @@ def run_build(args) -> int:
         return _fail(f"building a plan needs {', '.join(missing)} "
                      f"(or use `dhelix plan show PLAN`)")
     try:
-        fwd, bwd, costs = _load_inputs(args)
+        fwd, bwd, costs, profile = _load_inputs(args)
         plan = make_plan(fwd, bwd, costs, args.pairer, args.max_orders, args.wgrad_move,
                          model=args.model or UNSPECIFIED, parallel=args.parallel or UNSPECIFIED,
                          hardware=args.hardware, command=_command_line(args))
@@ -77,8 +106,11 @@ def run_build(args) -> int:
           f"{plan.search['bwd_orders']} orders in {plan.search['seconds']} s")
     if costs.source != "profile":
         print("note: no --profile given, so every time is the analytic default (estimated)")
-    elif plan.estimated:
-        print("note: some blocks use pair times estimated from measured OEFs (marked *)")
+    else:
+        for line in profile_notes(costs, profile, args.profile, fwd, bwd):
+            print(line)
+        if plan.estimated:
+            print("note: some blocks use pair times estimated from measured OEFs (marked *)")
     for name in ("model", "parallel"):
         if not getattr(args, name):
             print(f"note: no --{name} given; the plan's {name} fingerprint is 'unspecified'")

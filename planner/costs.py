@@ -35,6 +35,7 @@ from statistics import fmean
 
 from dhelix.dag import OpDAG, OpNode
 from dhelix.file_formats import REGENERATE, FormatError
+from planner.blocks import shared_channels
 from profiler.profile_file import Profile, canonical_hardware
 
 ANALYTIC_PROFILE_SHA = "analytic-v1"
@@ -111,6 +112,18 @@ class CostModel:
 
     def sequential_ms(self) -> float:
         return sum(self.solo_f.values()) + sum(self.solo_b.values())
+
+
+def pair_source_counts(costs: CostModel, fwd: OpDAG, bwd: OpDAG) -> dict:
+    """How many (fwd op, bwd op) pairs a plan may co-run took their cost from each source
+    (PAIR_SOURCES); pairs of same-channel communication, which no plan co-runs, are not
+    counted."""
+    counts = dict.fromkeys(PAIR_SOURCES, 0)
+    for a in fwd.ops:
+        for b in bwd.ops:
+            if not shared_channels([a], [b]):
+                counts[costs.pair_source[(a.id, b.id)]] += 1
+    return counts
 
 
 def _class_pair(a: OpNode, b: OpNode) -> frozenset:

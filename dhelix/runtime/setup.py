@@ -26,6 +26,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable
 
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dhelix.ops.runner import BoundLayer
@@ -42,8 +43,15 @@ from megatron_patches.gpt_parts import GPTParts
 from planner.baselines import staggered_pairing
 from planner.blocks import check_pairing
 from planner.build import make_plan
-from planner.costs import build_cost_model
-from planner.plan import load_checked_plan
+from planner.costs import build_cost_model, pair_source_counts
+from planner.plan import PlanMismatch, load_checked_plan
+from dhelix.file_formats import REGENERATE
+from profiler.fingerprint import (
+    check_profile_hardware,
+    check_profile_run,
+    hardware_fingerprint,
+    plan_hardware_differences,
+)
 from profiler.profile_file import load_profile
 
 log = logging.getLogger(__name__)
@@ -110,20 +118,47 @@ class DHelixSetup:
         return line
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def check_profile_fits(profile, path, model: str, parallel: str) -> None:
+    """Refuse a profile measured on other hardware/software than this machine, or for
+    another model / parallel layout (FormatError naming the file and `dhelix profile`)."""
+    check_profile_hardware(profile, path, hardware_fingerprint(_world_size()))
+    check_profile_run(profile, path, model, parallel)
+
+
 def _resolve_plan(args, fwd, bwd):
     expected = {"model": model_fingerprint(args), "parallel": parallel_fingerprint(args)}
-    profile = load_profile(args.dhelix_profile) if args.dhelix_profile else None
+    profile = None
+    if args.dhelix_profile:
+        profile = load_profile(args.dhelix_profile)
+        check_profile_fits(profile, args.dhelix_profile, expected["model"],
+                           expected["parallel"])
     if args.dhelix_plan:
         if profile is not None:
             expected["profile_sha"] = profile.sha
         plan = load_checked_plan(args.dhelix_plan, expected, fwd, bwd)
+        differences = plan_hardware_differences(plan.fingerprint["hardware"],
+                                                hardware_fingerprint(_world_size()))
+        if differences:
+            raise PlanMismatch(
+                f"{args.dhelix_plan}: plan was made from a profile of other hardware or "
+                f"software than this machine ({'; '.join(differences)}); profile this machine "
+                f"with `{REGENERATE['profile']}` and re-plan with `dhelix plan --profile`")
         return plan, f"file {args.dhelix_plan}"
     costs = build_cost_model(fwd, bwd, profile,
                              profile_path=args.dhelix_profile or "profile")
     command = shlex.join(["dhelix", "plan", "(built at start-up)"])
     plan = make_plan(fwd, bwd, costs, pairer=args.dhelix_pairer, model=expected["model"],
                      parallel=expected["parallel"], command=command)
-    source = f"built at start-up ({args.dhelix_pairer}, costs from {costs.source})"
+    source = f"built at start-up ({args.dhelix_pairer}, costs from {costs.source}"
+    if costs.source == "profile":
+        counts = pair_source_counts(costs, fwd, bwd)
+        estimated = sum(n for name, n in counts.items() if name != "measured")
+        source += f", {estimated} of {sum(counts.values())} pairs estimated"
+    source += ")"
     return plan, source
 
 

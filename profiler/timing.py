@@ -1,0 +1,175 @@
+"""Timing operators alone and in pairs, on the executor's lanes, as training runs them.
+
+`Timer` times one region on every rank: all ranks first meet at a barrier (so they time the
+same thing at the same moment), then the region runs; on CPU the time is a perf counter's,
+on CUDA the elapsed time between two CUDA events on the current stream (read after the
+pass, so measuring does not add host synchronisations inside a region). `Timer.slowest`
+turns one pass's local times into the slowest rank's (all_reduce MAX): collectives finish
+together, and the planner needs the time the whole group takes.
+
+`LayerUnderTest` is one bound layer with fixed inputs; it hands out executions attached to
+the communication lanes (`dhelix.runtime.lanes`). A pass uses fresh executions, runs the
+operators before the measured one(s) untimed in program order (a topological order, so all
+dependencies are met), then times:
+
+- `solo_pass`: every operator of the forward and then the backward program, one at a time
+  (a collective's time includes waiting for its completion);
+- `pair_pass`: a chain of (forward op, backward op) candidates: for each, the forward
+  execution of one micro-batch and the backward execution of another are advanced to just
+  before the two operators, then `strand_executor.run_block` co-executes them as one block
+  with its closing barrier - exactly the runtime's path for a paired block.
+
+Every rank runs the same operators in the same order, so collectives stay matched. The
+executions are dropped after a pass (nothing is left pending: every region ends waiting on
+its collectives); gradients of the layer's parameters accumulate, which a profiling model
+does not mind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from statistics import median
+
+import torch
+import torch.distributed as dist
+
+from dhelix.runtime.strand_executor import Block, run_block
+
+
+class Timer:
+    """Barrier-aligned region timing on every rank of `group` (see the module docstring).
+    `sync_group` is a gloo group over the same ranks used for barriers and the MAX
+    reduction (the default group on CPU)."""
+
+    def __init__(self, sync_group=None, cuda: bool | None = None):
+        self.sync_group = sync_group
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self._events: list = []
+
+    def align(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier(group=self.sync_group)
+
+    def time(self, fn) -> int:
+        """Run `fn` as a timed region; returns a handle for `collect`."""
+        self.align()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            self._events.append((time.perf_counter() - t0) * 1e3)
+        return len(self._events) - 1
+
+    def collect(self) -> list[float]:
+        """Local milliseconds of every region since the last collect, in order."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            times = [start.elapsed_time(end) for start, end in self._events]
+        else:
+            times = list(self._events)
+        self._events = []
+        return times
+
+    def slowest(self, local_ms: list[float]) -> list[float]:
+        """Element-wise maximum over the ranks of `sync_group`."""
+        values = torch.tensor(local_ms, dtype=torch.float64)
+        if dist.is_initialized() and values.numel():
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.sync_group)
+        return values.tolist()
+
+
+def median_ms(samples) -> float:
+    return float(median(samples))
+
+
+@dataclass
+class LayerUnderTest:
+    """A bound layer (`dhelix.ops.runner.BoundLayer`), its lanes (or None) and fixed inputs:
+    `x` the layer input, `dy` the gradient of its output, `rotary` the RoPE table or None."""
+
+    bound: object
+    lanes: object
+    x: torch.Tensor
+    dy: torch.Tensor
+    rotary: object = None
+
+    @property
+    def forward(self):
+        return self.bound.programs.forward
+
+    @property
+    def backward(self):
+        return self.bound.programs.backward
+
+    def execution(self):
+        execution = self.bound.new_execution()
+        if self.lanes is not None:
+            self.lanes.attach(execution)
+        return execution
+
+    def forward_execution(self):
+        """An execution in its forward phase, no operator run yet."""
+        execution = self.execution()
+        execution.begin_forward(self.x, None, self.rotary)
+        return execution
+
+    def backward_execution(self):
+        """An execution whose forward ran completely, in its backward phase."""
+        execution = self.forward_execution()
+        for op_id in self.forward.ids:
+            execution.run(op_id)
+        execution.end_forward()
+        execution.begin_backward(self.dy)
+        return execution
+
+
+def _advance(execution, program, start: int, stop: int) -> None:
+    """Run program positions [start, stop) untimed and wait for their collectives."""
+    for op in program.ops[start:stop]:
+        execution.run(op.id)
+    execution.wait_pending()
+
+
+def _run_and_wait(execution, op_id: str):
+    def region():
+        execution.run(op_id)
+        execution.wait_pending()
+    return region
+
+
+def solo_pass(layer: LayerUnderTest, timer: Timer) -> dict:
+    """One pass timing every operator alone: {op id: local ms} (forward then backward)."""
+    ids = []
+    execution = layer.forward_execution()
+    for op_id in layer.forward.ids:
+        timer.time(_run_and_wait(execution, op_id))
+        ids.append(op_id)
+    execution.end_forward()
+    execution.begin_backward(layer.dy)
+    for op_id in layer.backward.ids:
+        timer.time(_run_and_wait(execution, op_id))
+        ids.append(op_id)
+    execution.end_backward()
+    return dict(zip(ids, timer.collect()))
+
+
+def pair_pass(layer: LayerUnderTest, timer: Timer, chain) -> list[float]:
+    """One pass over a chain of candidates (`profiler.candidates`): local ms of each
+    co-executed pair, in chain order."""
+    fwd_ex, bwd_ex = layer.forward_execution(), layer.backward_execution()
+    fwd_next = bwd_next = 0
+    for cand in chain:
+        _advance(fwd_ex, layer.forward, fwd_next, cand.fwd_pos)
+        _advance(bwd_ex, layer.backward, bwd_next, cand.bwd_pos)
+        block = Block((cand.fwd,), (cand.bwd,))
+        timer.time(lambda: run_block(fwd_ex, bwd_ex, block))
+        fwd_next, bwd_next = cand.fwd_pos + 1, cand.bwd_pos + 1
+    return timer.collect()

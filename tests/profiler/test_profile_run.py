@@ -1,0 +1,105 @@
+"""`dhelix profile` end to end on 2 gloo ranks (one launch): the tiny preset profiled in
+full within the time budget, a valid profile covering every cost key of the run's DAGs with
+finite OEFs; an interrupted job resumed without re-measuring; and `--dhelix` training
+planned from the profile with parity against Megatron. Plus the single-process
+`--comp-only` command line."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from dhelix.harness import run_on_ranks
+from tests.profiler.profile_ranks import profile_resume_and_train
+
+FULL_BUDGET_S = 180  # issue #6: a full tiny profile on 2 gloo ranks in under 3 minutes
+OPTIONS = ["--warmup", "1", "--repeats", "3"]
+STOP_AFTER = 20
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("profile")
+    results = run_on_ranks(profile_resume_and_train, 2, str(workdir), OPTIONS, STOP_AFTER,
+                           timeout_s=540, env={"OMP_NUM_THREADS": "1"})
+    print(f"full tiny profile on 2 gloo ranks: {results[0]['full_wall_s']:.1f} s "
+          f"({len(results[0]['full_pairs'])} pairs)")
+    return workdir, results
+
+
+def _run_dags():
+    from dhelix.arguments import parse_args
+    from dhelix.ops.describe import LayerDescription
+    from dhelix.ops.layer_program import build_layer_programs
+    from dhelix.topology import NodeTopology
+
+    args = parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2"], world_size=2)
+    return build_layer_programs(
+        LayerDescription.from_args(args, topology=NodeTopology(2), rank=0)).dags()
+
+
+def test_full_profile_is_complete_valid_and_fast(launch):
+    from planner.costs import check_profile_covers, oef
+    from profiler.profile_file import load_profile
+
+    workdir, results = launch
+    first = results[0]
+    assert first["full_complete"]
+    assert first["full_wall_s"] < FULL_BUDGET_S
+    profile = load_profile(workdir / "full" / "profile.json")
+    dags = _run_dags()
+    check_profile_covers(profile, [dags["fwd"], dags["bwd"]])
+    assert profile.pairs and first["skipped_same_channel"] == 1  # all_reduce x all_reduce
+    for key, ms in profile.pairs.items():
+        names = sorted(key) if isinstance(key, frozenset) else [key[0]] * 2
+        assert math.isfinite(oef(profile.solo[names[0]], profile.solo[names[1]], ms))
+    assert profile.meta["parallel"] == "tp2-pp1-nosp" and profile.meta["ranks"] == 2
+    assert profile.hardware["backend"] == "gloo"
+    assert (workdir / "full" / "profile.png").stat().st_size > 1000
+    # every rank reports the same (slowest-rank) numbers
+    assert results[1]["full_pairs"] == first["full_pairs"]
+
+
+def test_interrupted_profile_resumes_without_remeasuring(launch):
+    _, results = launch
+    r = results[0]
+    assert not r["first_complete"] and r["first_measured"] >= 20
+    partial = r["partial_pairs"]
+    assert len(partial) == r["first_measured"]
+    assert r["second_complete"] and not r["partial_left"]
+    assert r["second_resumed"] == len(partial)
+    assert r["second_measured"] == len(r["full_pairs"]) - len(partial)
+    assert set(r["second_pairs"]) == set(r["full_pairs"])
+    assert all(r["second_pairs"][name] == ms for name, ms in partial.items())
+
+
+def test_plan_from_profile_trains_with_parity(launch):
+    _, results = launch
+    entry = results[0]["parity"]["tp2_from_profile"]
+    assert "costs from profile" in entry["plan_source"], entry["plan_source"]
+    assert "0 of" in entry["plan_source"]  # every co-runnable pair measured
+    assert entry["num_microbatches"] >= 2
+    for row in entry["rows"]:
+        assert row["loss_diff"] < 1e-6, row
+        assert row["grad_diff"] < 2e-7, row
+
+
+def test_comp_only_single_process_command(tmp_path):
+    """The single-device command line (as for the GPU Llama-shape profile), on CPU: no
+    torchrun, TP=1, computation only; then `--show` prints the class table."""
+    out = tmp_path / "comp.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "dhelix", "profile", "--preset", "tiny", "--comp-only",
+         "--repeats", "2", "--warmup", "0", "--max-pairs", "12", "-o", str(out)],
+        capture_output=True, text=True, timeout=240, env={"OMP_NUM_THREADS": "1",
+                                                          "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    document = json.loads(out.read_text())
+    assert len(document["pairs"]) == 12
+    assert all(info["kind"] == "comp" for info in document["meta"]["ops"].values())
+    assert "comp-comp" in run.stdout and "GEMM x GEMM" in run.stdout
+    shown = subprocess.run([sys.executable, "-m", "dhelix", "profile", "--show", str(out),
+                            "--no-heatmap"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "comp-comp" in shown.stdout, shown.stderr[-2000:]
