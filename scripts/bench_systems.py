@@ -31,9 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 LAUNCHER = ROOT / "scripts" / "emulated_cluster.py"
 # Communication is 30-50% of Megatron's step at 800 Mbit/s for this model (docs/benchmark.md).
-DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
+DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
                  "--seq-length", "256", "--max-position-embeddings", "256",
                  "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1000"]
+# --quick profiles a handful of pairs once: enough to exercise the path, not to plan well.
+QUICK_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "1", "--max-pairs", "8"]
 QUICK_MODEL = ["--preset", "tiny", "--num-layers", "4", "--global-batch-size", "4",
                "--train-iters", "1000"]
 
@@ -65,6 +67,29 @@ def _leftovers(launcher_pid: int) -> list:
     if ETC_NETNS.is_dir():
         found += [str(p) for p in ETC_NETNS.iterdir() if p.name.startswith(prefix)]
     return found
+
+
+def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path) -> str | None:
+    """Take the DHelix row's profile on the same emulated cluster (same shape, link and
+    model) with `dhelix profile`; returns its path, or None (with the reason printed) when
+    profiling failed, in which case the DHelix row falls back to the analytic plan."""
+    path = raw_dir / f"{config.name}.profile.json"
+    options = QUICK_PROFILE_OPTIONS if ns.quick else []
+    command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
+               "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
+               "--timeout", str(ns.timeout), "--", "-m", "dhelix", "profile",
+               *model, *config.parallel_args(), *options, "--no-progress", "--overwrite",
+               "-o", str(path)]
+    print(f"[bench] ({config.name}) profiling on the same cluster ({bandwidth})", flush=True)
+    started = time.time()
+    with open(raw_dir / f"{config.name}.profile.log", "w") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code != 0 or not path.is_file():
+        print(f"[bench] ({config.name}) profiling failed (exit {code}, see raw/"
+              f"{config.name}.profile.log): DHelix uses the analytic plan", flush=True)
+        return None
+    print(f"[bench] ({config.name}) profile taken in {time.time() - started:.0f} s", flush=True)
+    return str(path)
 
 
 def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Path) -> dict:
@@ -159,8 +184,12 @@ def orchestrate(ns) -> int:
     failed = False
     for name in configs:
         config = CONFIGS[name]
+        bandwidth = bandwidths[name] or "800mbit"
+        if profiles[name] is None and not ns.no_profile and any(s.uses_profile
+                                                                 for s in systems):
+            profiles[name] = profile_config(config, model, ns, bandwidth, raw_dir)
         runs = {s.name: plan_system(s, config, model, profiles[name]) for s in systems}
-        entry = run_config(config, runs, model, ns, bandwidths[name] or "800mbit", raw_dir)
+        entry = run_config(config, runs, model, ns, bandwidth, raw_dir)
         failed |= not entry["status"].startswith("exit 0") or "LEFT" in entry["cleanup"]
         results["configs"].append(entry)
         _write(out, results, markdown, bar_chart)  # partial results survive a later failure
@@ -209,6 +238,9 @@ def main(argv=None) -> int:
                         help="profile for the DHelix plan (taken on the same emulated "
                              "cluster): PATH for every configuration or CONFIG=PATH; "
                              "repeatable. Without one the DHelix row uses analytic costs")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="do not profile first: configurations without --dhelix-profile "
+                             "give DHelix the analytic-cost plan")
     parser.add_argument("--out", default="bench_out", help="output directory")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny case (for the test): 2-layer tiny model, 1 repetition")

@@ -50,6 +50,9 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
     a = {row["system"]: row for row in results["configs"][0]["summary"]["rows"]}
     assert not any(row["unavailable"] for row in a.values())  # PP=1: every system runs
     assert a["megatron"]["timeline"] is None  # Megatron's own schedule is not recorded
+    # the DHelix row planned from a profile taken first on the same cluster
+    assert "plan from profile" in a["dhelix"]["label"]
+    assert (tmp_path / "raw" / "a.profile.json").is_file()
     for name in ("ops_sequential", "domino", "wavelet", "dhelix"):
         timeline = a[name]["timeline"]
         assert timeline["compute"] > 0 and timeline["issue"] > 0, (name, timeline)
