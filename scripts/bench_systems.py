@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LAUNCHER = ROOT / "scripts" / "emulated_cluster.py"
-# Communication is 30-50% of Megatron's step at 800 Mbit/s for this model (docs/benchmark.md).
+# Communication measured 19% (a) and 49% (b) of Megatron's step at 800 Mbit/s (docs/benchmark.md).
 DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
                  "--seq-length", "256", "--max-position-embeddings", "256",
                  "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1000"]
