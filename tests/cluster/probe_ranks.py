@@ -90,7 +90,10 @@ def main() -> None:
                                          capture_output=True, text=True).stdout
     dist.barrier()
     dist.destroy_process_group()
-    print("PROBE " + json.dumps(record), flush=True)
+    # One write call: ranks of a node share torchrun's stdout, and under PYTHONUNBUFFERED
+    # print() writes the text and its newline separately, so two ranks' lines could merge.
+    sys.stdout.write("PROBE " + json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
