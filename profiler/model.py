@@ -17,11 +17,9 @@ import torch.distributed as dist
 
 def build_layer_under_test(args: argparse.Namespace):
     """(LayerUnderTest, Timer) for this rank; needs the default process group."""
-    from megatron.core import parallel_state
-
     from dhelix.ops.runner import BoundLayer
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state
-    from dhelix.runtime.lanes import Lanes, check_cuda_device_max_connections
+    from dhelix.runtime.lanes import check_cuda_device_max_connections, tensor_parallel_lanes
     from megatron_patches.gpt_parts import unwrap_gpt
     from megatron_patches.model_provider import build_model_chunks
     from profiler.timing import LayerUnderTest, Timer
@@ -36,9 +34,7 @@ def build_layer_under_test(args: argparse.Namespace):
     rope = args.position_embedding_type == "rope"
     layer = gpt.decoder.layers[0]
     bound = BoundLayer(layer, args.seq_length, args.micro_batch_size, rope=rope)
-    lanes = None
-    if args.tensor_model_parallel_size > 1:
-        lanes = Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()})
+    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size)
     tp = args.tensor_model_parallel_size
     tokens = args.seq_length // tp if args.sequence_parallel else args.seq_length
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

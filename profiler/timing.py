@@ -34,6 +34,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
+from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_block
 
 
@@ -110,10 +111,7 @@ class LayerUnderTest:
         return self.bound.programs.backward
 
     def execution(self):
-        execution = self.bound.new_execution()
-        if self.lanes is not None:
-            self.lanes.attach(execution)
-        return execution
+        return lane_execution(self.bound, self.lanes)
 
     def forward_execution(self):
         """An execution in its forward phase, no operator run yet."""

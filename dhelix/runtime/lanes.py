@@ -74,6 +74,28 @@ class Lanes:
         execution.no_comm_timing_only = self.no_comm_timing_only
 
 
+def tensor_parallel_lanes(tensor_model_parallel_size: int,
+                          no_comm_timing_only: bool = False) -> Lanes | None:
+    """The lanes of Megatron's tensor-parallel group, or None without TP (the layer's own
+    group then serves its few collectives). Collective over the world, like `Lanes.build`;
+    Megatron's parallel state must exist."""
+    if tensor_model_parallel_size == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()},
+                       no_comm_timing_only=no_comm_timing_only)
+
+
+def lane_execution(bound, lanes: Lanes | None):
+    """A fresh execution of the bound layer (`dhelix.ops.runner.BoundLayer`), its
+    collectives routed to `lanes` when given."""
+    execution = bound.new_execution()
+    if lanes is not None:
+        lanes.attach(execution)
+    return execution
+
+
 def check_cuda_device_max_connections() -> None:
     """Warn when the GPU would serialise the lanes' kernels (see the module docstring)."""
     if torch.cuda.is_available() and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":

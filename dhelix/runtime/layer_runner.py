@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_alone, run_blocks
 
 
@@ -41,10 +42,7 @@ class LayerRunner:
 
     def new_execution(self, layer: int):
         """A fresh execution of local layer `layer`, its collectives on the lanes."""
-        execution = self.bound_layers[layer].new_execution()
-        if self.lanes is not None:
-            self.lanes.attach(execution)
-        return execution
+        return lane_execution(self.bound_layers[layer], self.lanes)
 
     def forward_alone(self, layers: Sequence[int], x: torch.Tensor,
                       rotary_pos_emb=None) -> tuple[torch.Tensor, list]:

@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from dhelix.ops.runner import BoundLayer
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.folded_passes import FoldedOperatorPasses
 from dhelix.runtime.intra_batch_schedule import IntraBatchSplitSchedule
-from dhelix.runtime.lanes import Lanes, check_cuda_device_max_connections
+from dhelix.runtime.lanes import check_cuda_device_max_connections, tensor_parallel_lanes
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.pp1_schedule import DHelixSchedule
 from dhelix.schedules.runner import make_forward_backward_func
@@ -189,10 +188,8 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
     for layer in bound[1:]:
         if layer.programs.dags() != dags:
             raise DHelixSetupError("--dhelix needs identical layers (one plan serves all)")
-    lanes = None
-    if args.tensor_model_parallel_size > 1:
-        lanes = Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()},
-                            no_comm_timing_only=timing_only)
+    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size,
+                                  no_comm_timing_only=timing_only)
     if domino:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))

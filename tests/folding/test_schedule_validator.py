@@ -22,6 +22,13 @@ def index_of(actions, predicate):
     return next(i for i, a in enumerate(actions) if predicate(a))
 
 
+def without_first(schedule, rank, kind):
+    """`schedule` with the first action of `kind` removed from `rank`'s list."""
+    acts = list(schedule.ranks[rank])
+    del acts[index_of(acts, lambda a: a.kind == kind)]
+    return with_rank(schedule, rank, acts)
+
+
 def rejected(schedule, *fragments):
     with pytest.raises(ScheduleError) as info:
         validate(schedule)
@@ -39,10 +46,7 @@ def w():
 
 
 def test_missing_forward(w):
-    acts = list(w.ranks[1])
-    i = index_of(acts, lambda a: a.kind == "F")
-    del acts[i]
-    rejected(with_rank(w, 1, acts), "computed 0 times")
+    rejected(without_first(w, 1, "F"), "computed 0 times")
 
 
 def test_duplicate_computation(w):
@@ -85,10 +89,7 @@ def test_receive_nobody_sends(w):
 
 
 def test_consumed_input_missing(w):
-    acts = list(w.ranks[1])
-    i = index_of(acts, lambda a: a.kind == "RECV")
-    del acts[i]
-    rejected(with_rank(w, 1, acts), "not available")
+    rejected(without_first(w, 1, "RECV"), "not available")
 
 
 def test_malformed_actions(w):
@@ -113,9 +114,7 @@ def test_wrong_number_of_lists(w):
 
 
 def test_executor_rejects_before_running(w):
-    acts = list(w.ranks[0])
-    del acts[index_of(acts, lambda a: a.kind == "SI")]
-    broken = with_rank(w, 0, acts)
+    broken = without_first(w, 0, "SI")
 
     def must_not_run(*_args):
         raise AssertionError("the executor ran something for a broken schedule")
