@@ -26,6 +26,10 @@ once per process. Each shim names the Megatron call it replaces and why:
 3. RNG (`megatron_patches.rng`): `CudaRNGStatesTracker.add/fork` use
    `torch.cuda.get_rng_state`; replaced by a tracker that keeps CPU generator states.
 
+4. Allocator (`megatron_patches.cpu_allocator`): CUDA's caching allocator keeps freed
+   blocks; glibc gives them back to the kernel and re-faults their pages on the next step,
+   at a cost that depends on the order tensors are freed in. glibc is told to keep them.
+
 The sequence-parallel LayerNorm trap is handled where the model is built
 (`megatron_patches.norms`), not here, because it is a model-spec choice.
 """
@@ -202,11 +206,13 @@ def apply_cpu_shims() -> bool:
         if cpu_shims_active():
             return True
         from megatron_patches.compat import check_supported_megatron
+        from megatron_patches.cpu_allocator import keep_freed_memory
         from megatron_patches.rng import install_cpu_rng_tracker
 
         check_supported_megatron()
         _patch_cuda_api()
         install_cpu_rng_tracker()
+        keep_freed_memory()
         # Last: cpu_shims_active() turns True only once everything is installed.
         wrap_device_entry_points()
         return True

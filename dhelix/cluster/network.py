@@ -31,7 +31,7 @@ import time
 from dhelix.cluster import nsconfig
 from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.naming import BRIDGE_IFNAME, NODE_IFNAME, RunNames
-from dhelix.cluster.shaping import LinkShape, downlink_commands, uplink_commands
+from dhelix.cluster.shaping import LinkShape, downlink_commands, gso_commands, uplink_commands
 
 KILL_WAIT_S = 10.0
 _DISABLE_IPV6 = (
@@ -136,6 +136,9 @@ class EmulatedNetwork:
             ip("-n", switch, "link", "set", port, "up")
             ip("-n", ns, "addr", "add", names.node_cidr(node), "dev", NODE_IFNAME)
             ip("-n", ns, "link", "set", NODE_IFNAME, "up")
+            for args in (gso_commands(ns, NODE_IFNAME, self.shape)
+                         + gso_commands(switch, port, self.shape)):
+                ip(*args)
             self._shape(uplink_commands(ns, NODE_IFNAME, self.shape)
                         + downlink_commands(switch, port, self.shape))
 

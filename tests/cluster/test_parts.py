@@ -15,7 +15,7 @@ from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.launch import NodeJob, exit_code_of
 from dhelix.cluster.naming import RunNames, parse_namespace
 from dhelix.cluster.runner import ClusterConfig
-from dhelix.cluster.shaping import LinkShape, downlink_commands, uplink_commands
+from dhelix.cluster.shaping import LinkShape, downlink_commands, gso_commands, uplink_commands
 from dhelix.cluster.signals import Interrupted, SignalGuard
 from dhelix.cluster.units import format_rate, format_time, parse_rate, parse_time
 from tests.cluster.support import ROOT
@@ -69,10 +69,22 @@ def test_uplink_bandwidth_only_is_a_root_tbf():
     (command,) = uplink_commands("ns", "eth0", shape)
     assert command[:8] == ["-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle"]
     assert command[9:13] == ["tbf", "rate", "800000000bit", "burst"]
-    assert shape.burst_bytes == 100_000  # 1 ms at 800 Mbit/s
+    assert shape.burst_bytes == 200_000  # 2 ms at 800 Mbit/s
     assert shape.queue_bytes == 5_000_000  # 50 ms
     assert downlink_commands("sw", "p0", shape) == [
         ["-n", "sw", "qdisc", "add", "dev", "p0", "root", "handle", "1:"] + command[9:]]
+
+
+def test_gso_packets_fit_the_bucket():
+    # tbf splits a GSO packet larger than its bucket, which makes TCP retransmit under load
+    for rate in (1_000_000, 8_000_000, 100_000_000, 200_000_000, 800_000_000, 10**10):
+        shape = LinkShape(rate)
+        assert 0 < shape.gso_max_bytes <= min(65536, shape.burst_bytes - 1500)
+    assert LinkShape(800_000_000).gso_max_bytes == 65536
+    assert LinkShape(200_000_000).gso_max_bytes == 50_000 - 1500
+    assert gso_commands("ns", "eth0", LinkShape(200_000_000)) == [
+        ["-n", "ns", "link", "set", "dev", "eth0", "gso_max_size", "48500"]]
+    assert gso_commands("ns", "eth0", LinkShape(None)) == []
 
 
 def test_uplink_latency_is_netem_with_tbf_child_and_minimums_hold():
