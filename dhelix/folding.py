@@ -86,6 +86,14 @@ class FoldedLayout:
             return position, FIRST_HALF
         return 2 * p - 1 - position, SECOND_HALF
 
+    def stock_position(self, layer: int) -> tuple[int, int]:
+        """(stage, index) of global layer index `layer` in stock Megatron's pipeline with the
+        same sizes: L/p contiguous layers per stage (Megatron's even split), so `index` is
+        how many layers that stage builds before this one."""
+        self.locate(layer)
+        per_stage = self.num_layers // self.pipeline_size
+        return layer // per_stage, layer % per_stage
+
     def forward_route(self) -> list[tuple[int, int]]:
         """(stage, chunk) hops of one micro-batch's forward pass, in order (2p hops)."""
         p = self.pipeline_size

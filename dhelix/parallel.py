@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 
 from megatron_patches.cpu_shims import apply_cpu_shims
+from megatron_patches.stage_rng import seed_pipeline_stage
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,8 @@ def init_megatron_parallel_state(sizes: ParallelSizes, seed: int, folded: bool =
     """(Re)initialise Megatron's model-parallel groups and seed every RNG like Megatron does.
 
     Seeds: python/numpy/torch get `seed + 100 * pp_rank` (Megatron's `_set_random_seed`);
-    the model-parallel RNG tracker is seeded by `model_parallel_cuda_manual_seed(seed')`.
+    the model-parallel RNG tracker is seeded by `model_parallel_cuda_manual_seed(seed')`
+    (`megatron_patches.stage_rng.seed_pipeline_stage`).
     `folded=True` (model folding, `dhelix.folding`) puts only the first pipeline stage in the
     embedding group, so Megatron's tied-embedding sync and `finalize_model_grads` involve no
     other stage; stock GPTModel chunks need the default (first and last stage).
@@ -73,11 +73,7 @@ def init_megatron_parallel_state(sizes: ParallelSizes, seed: int, folded: bool =
         pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,
         **extra,
     )
-    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(stage_seed)
-    np.random.seed(stage_seed)
-    torch.manual_seed(stage_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+    seed_pipeline_stage(seed, parallel_state.get_pipeline_model_parallel_rank())
 
 
 def destroy_parallel_state() -> None:

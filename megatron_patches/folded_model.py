@@ -5,6 +5,14 @@ with layers [s*k, (s+1)*k) and chunk 1 with the mirrored layers [L-(s+1)*k, L-s*
 also holds the embedding, the final norm, the output layer and the loss.
 
 Guarantees:
+- Same seed, same weights: every parameter starts with exactly the value stock Megatron's
+  GPTModel (same TP/PP/DP/SP layout, same `seed`, seeded by
+  `dhelix.parallel.init_megatron_parallel_state`) gives it. Each chunk's layers are drawn
+  from the RNG stream of the stock stage that owns them, after replaying what that stage
+  builds before them (the embedding on stage 0, its earlier layers: built and dropped, one
+  at a time); the untied output layer is drawn after the last layer, as on stock's last
+  stage (`megatron_patches.stage_rng`). Cost: model building draws up to k extra layers
+  (and on the first two stages one extra embedding); the RNG states are left as found.
 - Every layer keeps its global Megatron `layer_number` (1-based), so the model's
   `sharded_state_dict()` uses exactly the checkpoint keys and global offsets of stock
   Megatron's GPTModel (`decoder.layers.*` with the layer axis, `decoder.final_layernorm.*`,
@@ -24,12 +32,16 @@ fp8/fp4 layers, heterogeneous layer configs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.quantization.utils import get_quant_config_or_none
@@ -49,6 +61,7 @@ from megatron_patches.model_provider import (
     layer_spec,
     transformer_config_from_args,
 )
+from megatron_patches.stage_rng import pipeline_stage_rng
 
 
 class FoldedModelError(RuntimeError):
@@ -62,6 +75,25 @@ class FoldedBlockSubmodules(TransformerBlockSubmodules):
     global_layer_numbers: list = field(default_factory=list)
 
 
+def build_numbered_layer(spec: ModuleSpec, config: TransformerConfig, number: int,
+                         pg_collection: ProcessGroupCollection, vp_stage=None):
+    """One transformer layer with global 1-based `layer_number` `number` on this rank, built
+    by the same `build_module` call as TransformerBlock's (so it draws the same random
+    numbers as stock Megatron's layer `number`)."""
+    if config.fp8 or config.fp4 or config.heterogeneous_block_specs:
+        raise FoldedModelError("the folded model does not support fp8/fp4 or "
+                               "heterogeneous layer configs")
+    # TransformerLayer adds Megatron's per-rank offset to the number it is given.
+    offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
+    layer = build_module(spec, config=config, layer_number=number - offset,
+                         pg_collection=pg_collection, vp_stage=vp_stage)
+    if layer.layer_number != number:
+        raise FoldedModelError(
+            f"built layer_number {layer.layer_number}, wanted {number}: this "
+            "megatron-core numbers layers differently (see megatron_patches/compat.py)")
+    return layer
+
+
 class FoldedTransformerBlock(TransformerBlock):
     """A TransformerBlock whose layers carry given global layer numbers instead of the
     contiguous range Megatron derives from the pipeline rank. Forward is TransformerBlock's."""
@@ -72,22 +104,10 @@ class FoldedTransformerBlock(TransformerBlock):
         if len(numbers) != len(sub.layer_specs):
             raise FoldedModelError(
                 f"{len(sub.layer_specs)} layer specs but {len(numbers)} layer numbers")
+        self.layers = torch.nn.ModuleList([
+            build_numbered_layer(spec, self.config, number, self.pg_collection, self.vp_stage)
+            for spec, number in zip(sub.layer_specs, numbers)])
         cfg = self.config
-        if cfg.fp8 or cfg.fp4 or cfg.heterogeneous_block_specs:
-            raise FoldedModelError("the folded model does not support fp8/fp4 or "
-                                   "heterogeneous layer configs")
-        # TransformerLayer adds Megatron's per-rank offset to the number it is given.
-        offset = get_transformer_layer_offset(cfg, self.vp_stage, get_pg_rank(self.pg_collection.pp))
-        layers = []
-        for spec, number in zip(sub.layer_specs, numbers):
-            layer = build_module(spec, config=cfg, layer_number=number - offset,
-                                 pg_collection=self.pg_collection, vp_stage=self.vp_stage)
-            if layer.layer_number != number:
-                raise FoldedModelError(
-                    f"built layer_number {layer.layer_number}, wanted {number}: this "
-                    "megatron-core numbers layers differently (see megatron_patches/compat.py)")
-            layers.append(layer)
-        self.layers = torch.nn.ModuleList(layers)
         if self.has_final_layernorm_in_this_stage():
             self.final_layernorm = build_module(
                 sub.layer_norm, config=cfg, hidden_size=cfg.hidden_size,
@@ -119,24 +139,30 @@ class FoldedTransformerBlock(TransformerBlock):
 class FoldedDecoder(MegatronModule):
     """The two layer chunks of one stage: `chunks[0]` (first half, going down the pipeline)
     and `chunks[1]` (mirrored second half, coming back), the latter with the final norm on
-    stage 0. Checkpoint keys are those of a single stock `decoder`."""
+    stage 0. Checkpoint keys are those of a single stock `decoder`.
+
+    `chunk_rng(layers)`, if given, returns the context each chunk is built in (`layers`:
+    its global 0-based layer indices); FoldedGPTModel uses it to draw every chunk from the
+    stock stage's RNG stream."""
 
     def __init__(self, config: TransformerConfig, spec: ModuleSpec, final_norm,
-                 layout: FoldedLayout, stage: int, pg_collection: ProcessGroupCollection):
+                 layout: FoldedLayout, stage: int, pg_collection: ProcessGroupCollection,
+                 chunk_rng=None):
         super().__init__(config=config)
         self.input_tensor = None  # read by Megatron's rotary helpers; inputs are explicit here
         blocks = []
         for chunk in (FIRST_HALF, SECOND_HALF):
             has_final_norm = stage == 0 and chunk == SECOND_HALF
-            numbers = [g + 1 for g in layout.chunk_layers(stage, chunk)]
+            layers = layout.chunk_layers(stage, chunk)
             sub = FoldedBlockSubmodules(
-                layer_specs=[spec] * len(numbers),
+                layer_specs=[spec] * len(layers),
                 layer_norm=final_norm if has_final_norm else None,
-                global_layer_numbers=numbers,
+                global_layer_numbers=[g + 1 for g in layers],
             )
-            blocks.append(FoldedTransformerBlock(
-                config=config, spec=sub, pre_process=True, post_process=has_final_norm,
-                pg_collection=pg_collection))
+            with chunk_rng(layers) if chunk_rng else contextlib.nullcontext():
+                blocks.append(FoldedTransformerBlock(
+                    config=config, spec=sub, pre_process=True, post_process=has_final_norm,
+                    pg_collection=pg_collection))
         self.chunks = torch.nn.ModuleList(blocks)
 
     def forward(self, hidden_states, chunk: int, **block_kwargs):
@@ -172,12 +198,15 @@ class FoldedGPTModel(GPTModel):
     around a `FoldedDecoder`. `forward(..., chunk=c)` runs one chunk of one micro-batch.
 
     `pre_process` and `post_process` are both True on stage 0 (embedding and output layer
-    live there) and both False elsewhere.
+    live there) and both False elsewhere. `seed` is the `--seed` Megatron's stages were
+    seeded from: every parameter gets stock Megatron's initial value for it (module
+    docstring).
     """
 
     def __init__(self, config: TransformerConfig, transformer_layer_spec: ModuleSpec,
                  final_norm, layout: FoldedLayout, stage: int, vocab_size: int,
-                 max_sequence_length: int, share_embeddings_and_output_weights: bool = True,
+                 max_sequence_length: int, *, seed: int,
+                 share_embeddings_and_output_weights: bool = True,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
                  rotary_base: int = 10000, pg_collection: ProcessGroupCollection | None = None):
         if (config.num_layers, config.pipeline_model_parallel_size) != (
@@ -193,23 +222,63 @@ class FoldedGPTModel(GPTModel):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         _check_folded_embedding_group(pg_collection)
         first = stage == 0
-        # GPTModel builds an empty decoder here; the folded one replaces it below.
-        super().__init__(
-            config=config,
-            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=None),
-            vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-            pre_process=first, post_process=first,
-            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-            position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
-            rotary_base=rotary_base, pg_collection=pg_collection,
-        )
+        # GPTModel builds an empty decoder here; the folded one replaces it below. The
+        # embedding is the first thing stock stage 0 draws; an untied output layer drawn
+        # here is redrawn after the last layer (`_stock_stream`).
+        with pipeline_stage_rng(seed, 0):
+            super().__init__(
+                config=config,
+                transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[],
+                                                                  layer_norm=None),
+                vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                pre_process=first, post_process=first,
+                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
+                rotary_base=rotary_base, pg_collection=pg_collection,
+            )
         self.layout = layout
         self.stage = stage
+        self._init_seed = seed
+        self._layer_spec = transformer_layer_spec
+        self._embedding_type = position_embedding_type
         self.decoder = FoldedDecoder(config, transformer_layer_spec, final_norm, layout, stage,
-                                     self.pg_collection)
+                                     self.pg_collection, chunk_rng=self._stock_stream)
         for name, module in self.decoder.named_modules(prefix="decoder"):
             if hasattr(module, "finish_init"):
                 module.finish_init(get_quant_config_or_none(name, config.quant_recipe))
+
+    @contextlib.contextmanager
+    def _stock_stream(self, layers: range):
+        """Build the chunk holding global layers `layers` inside this: the RNG stream of the
+        stock stage that owns them, advanced past what that stage builds before them (the
+        embedding on stage 0, its earlier layers; built and dropped one at a time). After
+        the model's last layer (and the final norm) it redraws an untied output layer, as
+        stock's last stage draws it there. Every RNG state is restored on exit."""
+        stage, index = self.layout.stock_position(layers[0])
+        if self.layout.stock_position(layers[-1]) != (stage, index + len(layers) - 1):
+            raise FoldedModelError(f"layers {layers[0]}..{layers[-1]} are not contiguous on "
+                                   "one stock pipeline stage")
+        with pipeline_stage_rng(self._init_seed, stage):
+            if stage == 0:
+                LanguageModelEmbedding(  # GPTModel's first module on stock stage 0
+                    config=self.config, vocab_size=self.vocab_size,
+                    max_sequence_length=self.max_sequence_length,
+                    position_embedding_type=self._embedding_type, tp_group=self.pg_collection.tp)
+            for g in range(layers[0] - index, layers[0]):
+                build_numbered_layer(self._layer_spec, self.config, g + 1, self.pg_collection)
+            yield
+            if (layers[-1] == self.layout.num_layers - 1 and self.post_process
+                    and not self.share_embeddings_and_output_weights):
+                self._redraw_output_layer()
+
+    def _redraw_output_layer(self) -> None:
+        """Draw the output layer's weight as GPTModel does on the last stock stage."""
+        stock = tensor_parallel.ColumnParallelLinear(
+            self.config.hidden_size, self.vocab_size, config=self.config,
+            init_method=self.config.init_method, bias=False, skip_bias_add=False,
+            gather_output=not self.parallel_output, tp_group=self.pg_collection.tp)
+        with torch.no_grad():
+            self.output_layer.weight.copy_(stock.weight)
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 *, chunk: int, loss_mask=None, packed_seq_params=None):
@@ -264,6 +333,7 @@ def build_folded_model_chunks(args) -> tuple[TransformerConfig, list]:
         stage=parallel_state.get_pipeline_model_parallel_rank(),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
+        seed=args.seed,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,

@@ -150,9 +150,14 @@ def run_check(args) -> int:
             profile = load_profile(args.profile)
             expected["profile_sha"] = profile.sha
             expected.setdefault("hardware", canonical_hardware(profile.hardware))
-        check_fingerprint(plan, expected, args.plan)
+        # The advice on a mismatch re-plans from the files given here, into PLAN.
+        inputs = {"--fwd-dag": args.fwd_dag, "--bwd-dag": args.bwd_dag,
+                  "--profile": args.profile, "-o": args.plan}
+        inputs = {flag: value for flag, value in inputs.items() if value}
+        check_fingerprint(plan, expected, args.plan, inputs)
         if args.fwd_dag:
-            check_plan_dags(plan, load_dag(args.fwd_dag), load_dag(args.bwd_dag), args.plan)
+            check_plan_dags(plan, load_dag(args.fwd_dag), load_dag(args.bwd_dag), args.plan,
+                            inputs)
     except FormatError as exc:
         return _fail(str(exc))
     print(f"{args.plan}: matches ({', '.join(sorted(expected)) or 'nothing to compare'}"

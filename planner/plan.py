@@ -240,43 +240,68 @@ def load_plan(path) -> Plan:
 
 
 def load_checked_plan(path, expected: dict, fwd: OpDAG | None = None,
-                      bwd: OpDAG | None = None) -> Plan:
+                      bwd: OpDAG | None = None, inputs: dict | None = None) -> Plan:
     """What a run uses: `load_plan`, then `check_fingerprint` against the run's `expected`
     fields, then (if the run's DAGs are given) `check_plan_dags`. Raises FormatError (or its
-    subclass PlanMismatch) naming the file, every difference and the regenerate command."""
+    subclass PlanMismatch) naming the file, every difference and the regenerate command
+    (`regenerate_command`; `inputs` names this run's files for it)."""
     plan = load_plan(path)
-    check_fingerprint(plan, expected, str(path))
+    check_fingerprint(plan, expected, str(path), inputs)
     if fwd is not None and bwd is not None:
-        check_plan_dags(plan, fwd, bwd, str(path))
+        check_plan_dags(plan, fwd, bwd, str(path), inputs)
     return plan
 
 
-def regenerate_command(plan_or_document, expected: dict | None = None) -> str:
+def _set_option(words: list, flag: str, value) -> None:
+    """Give `flag` the value `value` in a command's words (inserted before `-o`, or appended
+    for `-o` itself, if absent); value None removes the flag and its value."""
+    if flag in words[:-1]:
+        at = words.index(flag)
+        if value is None:
+            del words[at:at + 2]
+        else:
+            words[at + 1] = value
+    elif value is not None:
+        at = words.index("-o") if "-o" in words and flag != "-o" else len(words)
+        words[at:at] = [flag, value]
+
+
+def regenerate_command(plan_or_document, expected: dict | None = None,
+                       inputs: dict | None = None) -> str:
     """The `dhelix plan` command that rebuilds this plan (as recorded in it), with the
-    --model / --parallel / --hardware values replaced by `expected` ones where given."""
+    --model / --parallel / --hardware values replaced by `expected` ones where given, and
+    the options in `inputs` (e.g. {"--fwd-dag": F, "--bwd-dag": B, "--profile": P, "-o":
+    PLAN}; value None drops the option) set to this run's files. A recorded --profile is
+    dropped when `expected` names another model or parallel layout than the plan's and
+    `inputs` gives none: a profile is tied to both, and `dhelix plan` would refuse it."""
     if isinstance(plan_or_document, Plan):
         command = plan_or_document.command
+        recorded = plan_or_document.fingerprint
     else:
         command = (plan_or_document or {}).get("command", "")
+        recorded = (plan_or_document or {}).get("fingerprint", {})
     if not isinstance(command, str) or not command.startswith("dhelix plan"):
         command = "dhelix plan --fwd-dag FWD --bwd-dag BWD --profile PROFILE -o PLAN"
     words = shlex.split(command)
+    expected = expected or {}
     for name in ("model", "parallel", "hardware"):
-        if not expected or name not in expected:
-            continue
-        flag = f"--{name}"
-        if flag in words[:-1]:
-            words[words.index(flag) + 1] = expected[name]
-        else:
-            at = words.index("-o") if "-o" in words else len(words)
-            words[at:at] = [flag, expected[name]]
+        if name in expected:
+            _set_option(words, f"--{name}", expected[name])
+    inputs = dict(inputs or {})
+    if any(name in expected and expected[name] != recorded.get(name)
+           for name in ("model", "parallel")):
+        inputs.setdefault("--profile", None)
+    for flag, value in inputs.items():
+        _set_option(words, flag, value)
     return shlex.join(words)
 
 
-def check_fingerprint(plan: Plan, expected: dict, path: str = "plan") -> None:
+def check_fingerprint(plan: Plan, expected: dict, path: str = "plan",
+                      inputs: dict | None = None) -> None:
     """Raise PlanMismatch if any fingerprint field given in `expected` differs from the plan's,
     naming every differing field (plan value vs run value) and the command that regenerates
-    the plan for this run. Fields absent from `expected` are not compared."""
+    the plan for this run (`regenerate_command(plan, expected, inputs)`). Fields absent
+    from `expected` are not compared."""
     unknown = set(expected) - set(FINGERPRINT_FIELDS)
     if unknown:
         raise ValueError(f"unknown fingerprint field(s) {sorted(unknown)}; "
@@ -286,20 +311,23 @@ def check_fingerprint(plan: Plan, expected: dict, path: str = "plan") -> None:
              if name in expected and plan.fingerprint[name] != expected[name]]
     if diffs:
         hint = ""
-        if any(d.startswith(("profile_sha", "dag_sha")) for d in diffs):
+        if "--fwd-dag" not in (inputs or {}) and any(
+                d.startswith(("profile_sha", "dag_sha")) for d in diffs):
             hint = " (pass this run's operator DAGs and profile)"
         raise PlanMismatch(
             f"{path}: plan does not match this run: " + "; ".join(diffs)
-            + f"; regenerate it with `{regenerate_command(plan, expected)}`{hint}"
+            + f"; regenerate it with `{regenerate_command(plan, expected, inputs)}`{hint}"
         )
 
 
-def check_plan_dags(plan: Plan, fwd: OpDAG, bwd: OpDAG, path: str = "plan") -> None:
+def check_plan_dags(plan: Plan, fwd: OpDAG, bwd: OpDAG, path: str = "plan",
+                    inputs: dict | None = None) -> None:
     """Raise PlanMismatch if the plan was not made for these operator DAGs: different op sets,
-    an order that breaks a dependency of the DAG, or a different DAG hash."""
+    an order that breaks a dependency of the DAG, or a different DAG hash. The advice is
+    `regenerate_command(plan, inputs=inputs)`."""
     for dag, order in ((fwd, plan.fwd_order), (bwd, plan.bwd_order)):
         problem = topological_violation(dag, order)
         if problem:
             raise PlanMismatch(f"{path}: plan does not fit the {dag.direction} DAG: {problem}; "
-                               f"regenerate it with `{regenerate_command(plan)}`")
-    check_fingerprint(plan, {"dag_sha": dag_sha(fwd, bwd)}, path)
+                               f"regenerate it with `{regenerate_command(plan, inputs=inputs)}`")
+    check_fingerprint(plan, {"dag_sha": dag_sha(fwd, bwd)}, path, inputs)

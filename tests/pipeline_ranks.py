@@ -4,12 +4,10 @@ imports."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch.distributed as dist
 
-from dhelix.checkpointing import load_checkpoint, save_checkpoint
 from dhelix.parallel import destroy_parallel_state, init_process_group_from_env
+from dhelix.parity import gather_full_tensors, max_abs_diff
 from tests.foundation_ranks import build_trainer, compare_steps, observed_step, tiny_args
 
 
@@ -26,32 +24,34 @@ class PairCounter:
         return self._run_paired(fwd_layers, *args, **kwargs)
 
 
-def dhelix_pipeline_parity(ctx, workdir: str, cases: dict, steps: int = 3) -> dict:
+def dhelix_pipeline_parity(ctx, cases: dict, steps: int = 3) -> dict:
     """For each case {name: {"tp", "pp", "sp", "pairer", "extra"}}: stock Megatron (TP x PP,
-    Megatron's own 1F1B schedule) saves its initial weights and trains `steps` SGD steps;
-    `--dhelix` (folded model, W-shaped schedule, operator-level SI blocks) loads those
-    weights and trains the same steps on the same data. Per-step rows compare the loss,
-    every gradient and every updated parameter by checkpoint key.
+    Megatron's own 1F1B schedule) and `--dhelix` (folded model, W-shaped schedule,
+    operator-level SI blocks) are each built from the same --seed (no checkpoint passes
+    weights between them) and train `steps` SGD steps on the same data. `init_param_diff`
+    compares every initial parameter by checkpoint key; per-step rows compare the loss,
+    every gradient and every updated parameter.
 
-    Returns {name: {"rows", "pairs" (co-executed layer pairs per rank), "m", "p"}}."""
+    Returns {name: {"init_param_diff", "init_param_key", "rows", "pairs" (co-executed layer
+    pairs per rank), "m", "p"}}."""
     init_process_group_from_env()
     report = {}
     for name, spec in cases.items():
         base = ["--optimizer", "sgd", "--lr", "0.05", *spec.get("extra", ())]
         layout = dict(tp=spec["tp"], pp=spec["pp"], sp=spec.get("sp", False))
         ref = build_trainer(tiny_args(**layout, extra=base))
-        init = Path(workdir) / name / "init"
-        save_checkpoint(ref, init)
+        ref_init = gather_full_tensors(ref.model, "param")
         ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
         dargs = tiny_args(**layout, extra=base + ["--dhelix", "--dhelix-pairer",
                                                   spec.get("pairer", "dp")])
         trainer = build_trainer(dargs)
-        load_checkpoint(trainer, init, load_optimizer=False)
+        init_diff, init_key = max_abs_diff(ref_init, gather_full_tensors(trainer.model, "param"))
         counter = PairCounter(trainer.dhelix.runner)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
         pairs = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, counter.pairs)
-        report[name] = {"rows": compare_steps(ref_steps, got), "pairs": pairs,
+        report[name] = {"init_param_diff": init_diff, "init_param_key": init_key,
+                        "rows": compare_steps(ref_steps, got), "pairs": pairs,
                         "m": dargs.num_microbatches, "p": dargs.pipeline_model_parallel_size}
     destroy_parallel_state()
     dist.barrier()

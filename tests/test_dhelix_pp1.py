@@ -5,6 +5,8 @@ the same weights and data, step after step. The Domino-style intra-batch split
 (`--dhelix-pairer domino`, a benchmark baseline) is held to the same parity. One launch per
 world size."""
 
+import os
+import re
 import shlex
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dhelix.harness import run_on_ranks
+from dhelix.harness import free_port, run_on_ranks
 from tests.foundation_ranks import dhelix_parity
 
 FP32_LOSS = 1e-6
@@ -121,6 +123,38 @@ def test_plan_for_another_layout_is_rejected(plan_file_tp2):
     text = str(info.value)
     assert "parallel: plan has 'tp2-pp1-nosp', this run has 'tp2-pp1-sp'" in text
     assert "dhelix plan" in text
+
+
+def _train_one_rank(cwd: Path, megatron_args: list) -> subprocess.CompletedProcess:
+    """scripts/pretrain_gpt.py as torchrun starts a world of one rank."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "pretrain_gpt.py"
+    return subprocess.run([sys.executable, str(script), *megatron_args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
+    """Plan for model A (hidden 128), train model B (hidden 256) with it: refused, with a
+    `dhelix plan` command. Run that command literally, then the same training command: the
+    new plan is accepted and used (the advice must not reuse A's operator DAGs)."""
+    model_a = ["--preset", "tiny"]
+    plan = make_plan_file(tmp_path / "dags_a", model_a)
+    train_b = [*model_a, "--hidden-size", "256", "--train-iters", "1", "--dhelix",
+               "--dhelix-plan", str(plan)]
+    refused = _train_one_rank(tmp_path, train_b)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    advice = re.findall(r"regenerate it with `([^`]*)`", refused.stderr)
+    assert len(advice) == 1, refused.stderr[-3000:]
+    assert "model: plan has 'gpt-h128" in refused.stderr
+    words = shlex.split(advice[0])
+    assert words[:2] == ["dhelix", "plan"]
+    assert str(tmp_path / "dags_a" / "fwd.json") not in words  # not model A's DAGs
+    subprocess.run([sys.executable, "-m", "dhelix", *words[1:]], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=120)
+    accepted = _train_one_rank(tmp_path, train_b)
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert f"dhelix: plan file {plan}" in accepted.stdout
 
 
 @pytest.mark.parametrize("name", sorted(CASES_TP4))

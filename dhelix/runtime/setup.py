@@ -6,7 +6,9 @@ forward/backward function that replaces Megatron's: the PP=1 SI schedule
 pass engine `dhelix.runtime.folded_passes`).
 
 Plan sources, in order: `--dhelix-plan PATH` (checked: model, parallel layout and operator
-DAGs must match this run, and the profile too when `--dhelix-profile` is given); else a plan
+DAGs must match this run, and the profile too when `--dhelix-profile` is given; a refused
+plan's error quotes a `dhelix plan` command that builds one this run accepts, reading this
+run's DAGs, which the refusal writes beside the plan, see `run_dag_dir`); else a plan
 built now with the DP pairer from `--dhelix-profile` (or the planner's analytic default
 costs without one). `--dhelix-pairer sequential|round_robin` builds a baseline plan instead.
 
@@ -24,10 +26,12 @@ from __future__ import annotations
 import logging
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
 
+from dhelix.dag import save_dag
 from dhelix.ops.runner import BoundLayer
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.folded_passes import FoldedOperatorPasses
@@ -128,6 +132,39 @@ def check_profile_fits(profile, path, model: str, parallel: str) -> None:
     check_profile_run(profile, path, model, parallel)
 
 
+def run_dag_dir(plan_path) -> Path:
+    """Where a refused `--dhelix-plan PLAN` leaves this run's operator DAGs (fwd.json,
+    bwd.json) for the advised `dhelix plan` command: `<PLAN without suffix>-dags` beside
+    the plan (plan.json -> plan-dags/)."""
+    plan_path = Path(plan_path)
+    return plan_path.parent / f"{plan_path.stem}-dags"
+
+
+def _load_run_plan(args, expected: dict, fwd, bwd):
+    """`--dhelix-plan`, checked against this run. On a mismatch the error's `dhelix plan`
+    command reads this run's DAGs (written to `run_dag_dir` now, by every rank: identical
+    files, atomic writes, and no rank waits for another), this run's fingerprints and
+    `--dhelix-profile`, and writes the plan file this run reads: running it, then the same
+    training command again, passes this check."""
+    dag_dir = run_dag_dir(args.dhelix_plan)
+    inputs = {"--fwd-dag": str(dag_dir / "fwd.json"), "--bwd-dag": str(dag_dir / "bwd.json"),
+              "-o": str(args.dhelix_plan)}
+    if args.dhelix_profile:
+        inputs["--profile"] = str(args.dhelix_profile)
+    try:
+        return load_checked_plan(args.dhelix_plan, expected, fwd, bwd, inputs=inputs)
+    except PlanMismatch as exc:
+        try:
+            save_dag(fwd, dag_dir / "fwd.json")
+            save_dag(bwd, dag_dir / "bwd.json")
+            note = f"this run's operator DAGs were written to {dag_dir}/"
+        except OSError as err:
+            note = (f"writing this run's operator DAGs to {dag_dir}/ failed ({err}): write "
+                    f"them with `dhelix ops <this run's Megatron arguments> --export-dag "
+                    f"{dag_dir}`")
+        raise PlanMismatch(f"{exc} ({note})") from None
+
+
 def _resolve_plan(args, fwd, bwd):
     expected = {"model": model_fingerprint(args), "parallel": parallel_fingerprint(args)}
     profile = None
@@ -138,7 +175,7 @@ def _resolve_plan(args, fwd, bwd):
     if args.dhelix_plan:
         if profile is not None:
             expected["profile_sha"] = profile.sha
-        plan = load_checked_plan(args.dhelix_plan, expected, fwd, bwd)
+        plan = _load_run_plan(args, expected, fwd, bwd)
         differences = plan_hardware_differences(plan.fingerprint["hardware"],
                                                 hardware_fingerprint(_world_size()))
         if differences:

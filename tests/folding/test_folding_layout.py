@@ -53,3 +53,23 @@ def test_bad_stage_and_chunk():
         layout.chunk_layers(0, 2)
     with pytest.raises(FoldingError):
         FoldedLayout(8, 0)
+
+
+@pytest.mark.parametrize("layers,stages", [(8, 2), (8, 4), (24, 3), (48, 6)])
+def test_each_chunk_is_one_half_of_one_stock_stage(layers, stages):
+    """Stock Megatron gives stage t layers [t*L/p, (t+1)*L/p); every folded chunk is one
+    contiguous half of one of those (what the folded model's stock-seed replay relies on)."""
+    layout = FoldedLayout(layers, stages)
+    per_stage = layers // stages
+    assert layout.stock_position(0) == (0, 0)
+    assert layout.stock_position(layers - 1) == (stages - 1, per_stage - 1)
+    for stage in range(stages):
+        for chunk in (0, 1):
+            chunk_layers = list(layout.chunk_layers(stage, chunk))
+            owners = {layout.stock_position(g)[0] for g in chunk_layers}
+            assert len(owners) == 1
+            positions = [layout.stock_position(g)[1] for g in chunk_layers]
+            assert positions[0] in (0, per_stage // 2)
+            assert positions == list(range(positions[0], positions[0] + len(chunk_layers)))
+    with pytest.raises(FoldingError):
+        layout.stock_position(layers)

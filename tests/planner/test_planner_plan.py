@@ -10,7 +10,8 @@ from planner.blocks import pairing_violation
 from planner.build import make_plan
 from planner.costs import build_cost_model
 from planner.plan import (PlanMismatch, check_fingerprint, check_plan_dags, dag_sha,
-                          fingerprint_string, load_checked_plan, load_plan, save_plan)
+                          fingerprint_string, load_checked_plan, load_plan,
+                          regenerate_command, save_plan)
 from planner.synthetic import LayerShape, layer_dags, layer_profile
 
 COMMAND = ("dhelix plan --fwd-dag f.json --bwd-dag b.json --profile p.json --pairer dp "
@@ -109,6 +110,25 @@ def test_fingerprint_mismatch_names_fields_and_regenerate_command(plan, layer):
         check_fingerprint(plan, {"profile_sha": "0" * 64})
     with pytest.raises(ValueError, match="unknown fingerprint field"):
         check_fingerprint(plan, {"gpu": "x"})
+
+
+def test_regenerate_command_uses_the_run_s_files(plan):
+    """The advice re-plans from the run's DAGs into the run's plan path; a recorded profile
+    survives only while model and layout stay (a profile is tied to both)."""
+    run_files = {"--fwd-dag": "run/fwd.json", "--bwd-dag": "run/bwd.json", "-o": "run.json"}
+    same = regenerate_command(plan, {"model": "gpt-small"}, run_files)
+    assert same == ("dhelix plan --fwd-dag run/fwd.json --bwd-dag run/bwd.json --profile "
+                    "p.json --pairer dp --max-orders 8 --wgrad-move 2 --model gpt-small "
+                    "--parallel tp=8 -o run.json")
+    other = regenerate_command(plan, {"model": "gpt-large"}, run_files)
+    assert "--profile" not in other and "--model gpt-large" in other
+    given = regenerate_command(plan, {"parallel": "tp=2"}, {**run_files, "--profile": "q.json"})
+    assert "--profile q.json" in given and "--parallel tp=2" in given
+    with pytest.raises(PlanMismatch) as err:
+        check_fingerprint(plan, {"model": "gpt-large"}, "run.json", run_files)
+    assert other in str(err.value) and "pass this run's" not in str(err.value)
+    # Without the run's files the recorded command is kept (only fingerprints change).
+    assert regenerate_command(plan, {"model": "gpt-small"}) == COMMAND
 
 
 def test_load_checked_plan_is_what_a_run_uses(tmp_path, plan, layer):
