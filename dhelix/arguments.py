@@ -4,8 +4,9 @@ Argument names and meanings follow Megatron-LM's `megatron/training/arguments.py
 dhelix supports. `--preset NAME|PATH` (a dhelix addition) loads defaults from `configs/`;
 arguments given on the command line override the preset.
 
-`validate_args` checks every size relation before any process group exists and raises
-`ArgumentError` with a one-line message naming the argument and the fix.
+`parse_args` checks every value (ranges and paths, `dhelix.input_checks`) and every size
+relation (`validate_args`) before any process group exists, and raises `ArgumentError` with
+a one-line message naming the argument and the fix.
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ import json
 import os
 from pathlib import Path
 
+from dhelix.input_checks import (  # ArgumentError is re-exported: callers import it from here
+    ArgumentError,
+    check_ranges,
+    check_readable_dir,
+    check_readable_file,
+    check_text_data_file,
+    check_writable_dir,
+    check_writable_file,
+    flag,
+)
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ArgumentError(ValueError):
-    """Bad command-line input; the message is one line that names the argument and the fix."""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -128,18 +136,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_preset(name_or_path: str) -> dict:
-    """Preset values keyed by argparse dest (dashes or underscores accepted in the file)."""
+    """Preset values keyed by argparse dest (dashes or underscores accepted in the file).
+
+    A bare name (no suffix, no directory) is `configs/NAME.json`; anything else is a file
+    path. Raises ArgumentError unless it is a readable JSON object."""
     path = Path(name_or_path)
-    if not path.suffix:
+    if not path.suffix and "/" not in name_or_path:
         path = CONFIGS_DIR / f"{name_or_path}.json"
-    if not path.is_file():
-        known = sorted(q.stem for q in CONFIGS_DIR.glob("*.json"))
-        raise ArgumentError(f"--preset: no preset '{name_or_path}' (known: {', '.join(known)})")
+        if not path.is_file():
+            known = sorted(q.stem for q in CONFIGS_DIR.glob("*.json"))
+            raise ArgumentError(f"--preset: no preset '{name_or_path}' (known: "
+                                f"{', '.join(known)}; or give a JSON file path)")
+    check_readable_file("--preset", str(path))
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArgumentError(f"--preset: {path} is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ArgumentError(f"--preset: {path} must hold a JSON object of argument values, "
+                            f"found {type(raw).__name__}")
     return {k.replace("-", "_"): v for k, v in raw.items() if not k.startswith("_")}
+
+
+def _preset_value(action: argparse.Action, key: str, value, preset: str):
+    """`value` for `action` as the command line would give it (null: not set); ArgumentError
+    if the preset holds another type (argparse never sees preset values)."""
+    if value is None:
+        return None
+    if action.choices is not None and value not in action.choices:
+        wanted = "one of " + ", ".join(map(str, action.choices))
+    elif action.nargs == 0:  # a flag (store_true)
+        wanted = None if isinstance(value, bool) else "true or false"
+    elif action.type is int:
+        wanted = None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    elif action.type is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        wanted = None if ok else "a number"
+        value = float(value) if ok else value
+    else:
+        wanted = None if isinstance(value, str) else "a string"
+    if wanted:
+        raise ArgumentError(f"--preset {preset}: '{key}' must be {wanted}, found {value!r}")
+    return value
 
 
 def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
@@ -155,12 +193,13 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
     if ns.preset:
         preset = load_preset(ns.preset)
         defaults = parser.parse_args([])
-        known = set(vars(defaults))
+        actions = {a.dest: a for a in parser._actions}
         for key, value in preset.items():
-            if key not in known:
+            if key not in vars(defaults):
                 raise ArgumentError(f"--preset: unknown key '{key}' in preset {ns.preset}")
             if getattr(ns, key) == getattr(defaults, key):
-                setattr(ns, key, value)
+                setattr(ns, key, _preset_value(actions[key], key, value, ns.preset))
+    check_ranges(ns)
     fill_derived_args(ns)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -198,11 +237,9 @@ def fill_derived_args(ns: argparse.Namespace) -> None:
 
 
 def validate_args(ns: argparse.Namespace, world_size: int) -> None:
-    """Every size relation Megatron needs, checked before any process group is created."""
+    """Every size relation Megatron needs and every path argument, checked before any
+    process group is created. Expects `check_ranges` and `fill_derived_args` done."""
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
-                            "must be >= 1")
     if world_size % (tp * pp) != 0:
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -252,20 +289,13 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
             f"--global-batch-size {ns.global_batch_size} is not divisible by "
             f"--micro-batch-size {ns.micro_batch_size} x data-parallel size {dp}"
         )
-    if ns.train_iters < 1:
-        raise ArgumentError("--train-iters must be >= 1")
     if ns.bf16 and not _cuda_available():
         raise ArgumentError("--bf16 needs a GPU on this build; drop --bf16 on CPU")
     if ns.distributed_backend == "nccl" and not _cuda_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA; use gloo on CPU")
-    if ns.load is not None and not Path(ns.load).is_dir():
-        raise ArgumentError(
-            f"--load {ns.load}: no such checkpoint directory; check the path or drop --load"
-        )
-    if ns.data_path is not None and not Path(ns.data_path).is_file():
-        raise ArgumentError(f"--data-path {ns.data_path}: no such file")
-    if ns.save_interval is not None and ns.save_interval < 1:
-        raise ArgumentError("--save-interval must be >= 1")
+    if ns.data_path is not None and ns.vocab_size < 257:
+        raise ArgumentError(f"--vocab-size {ns.vocab_size} is too small for --data-path (byte "
+                            "tokens 0-255 and end-of-document need 257); drop --vocab-size")
     if ns.dhelix and pp > 1 and ns.num_layers % (2 * pp) != 0:
         raise ArgumentError(
             f"--dhelix with --pipeline-model-parallel-size {pp} folds the layers into a U "
@@ -274,14 +304,31 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
     if ns.dhelix_commfree_timing_only and not ns.dhelix:
         raise ArgumentError("--dhelix-commfree-timing-only needs --dhelix (it is the "
                             "benchmark's timing-only bound on the operator programs)")
-    for flag in ("dhelix_plan", "dhelix_profile"):
-        path = getattr(ns, flag)
-        if path is not None and not ns.dhelix:
-            raise ArgumentError(f"--{flag.replace('_', '-')} needs --dhelix")
-        if path is not None and not Path(path).is_file():
-            raise ArgumentError(f"--{flag.replace('_', '-')} {path}: no such file")
+    for dest in ("dhelix_plan", "dhelix_profile"):
+        if getattr(ns, dest) is not None and not ns.dhelix:
+            raise ArgumentError(f"{flag(dest)} needs --dhelix")
+    check_path_args(ns)
     ns.data_parallel_size = dp
     ns.num_microbatches = ns.global_batch_size // per_step
+
+
+def check_path_args(ns: argparse.Namespace) -> None:
+    """Every path argument is usable as the run will use it: --load a readable directory,
+    --data-path a UTF-8 text file of at least one sample, --dhelix-plan/--dhelix-profile
+    readable files, --save a directory and --log-json a file that can be written. Creates
+    nothing."""
+    if ns.load is not None:
+        check_readable_dir("--load", ns.load, what="checkpoint directory")
+    if ns.data_path is not None:
+        check_text_data_file("--data-path", ns.data_path, min_bytes=ns.seq_length + 1,
+                             needed_for=f"one sample of --seq-length {ns.seq_length} + 1")
+    for dest in ("dhelix_plan", "dhelix_profile"):
+        if getattr(ns, dest) is not None:
+            check_readable_file(flag(dest), getattr(ns, dest))
+    if ns.save is not None:
+        check_writable_dir("--save", ns.save)
+    if ns.log_json is not None:
+        check_writable_file("--log-json", ns.log_json)
 
 
 def _cuda_available() -> bool:

@@ -16,6 +16,7 @@ import sys
 
 SUBCOMMAND_MODULES = [
     "dhelix.env_report",
+    "dhelix.launch",
     "dhelix.ops.cli",
     "profiler.cli",
     "planner.cli",

@@ -9,12 +9,13 @@ Megatron's argument names (see `dhelix.arguments`); GPTModel with the local spec
 Megatron's own forward/backward schedule. Logs loss, step time, tokens/s and peak memory.
 
 Bad arguments are reported as one line naming the argument and the fix, with exit code 2,
-before any process group is created.
+before any process group is created (rank 0 prints it; torchrun then adds its own failure
+report and exits 1). Under `dhelix train` (`dhelix.launch`) the ranks hand the line to the
+launcher, which prints it last and exits 2.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dhelix.arguments import ArgumentError, parse_args  # noqa: E402
+from dhelix.launch import ERROR_EXIT_CODE, report_error  # noqa: E402
 
 
 def _quiet_known_warnings() -> None:
@@ -58,17 +60,15 @@ def train(args) -> int:
     try:
         trainer = Trainer.build(args)
     except (DHelixSetupError, FormatError) as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        report_error(str(exc))
+        return ERROR_EXIT_CODE
     if args.load:
         try:
             load_checkpoint(trainer, args.load, load_optimizer=not args.no_load_optim,
                             load_rng=not args.no_load_rng)
         except CheckpointError as exc:
-            if rank == 0:
-                print(f"error: {exc}", file=sys.stderr)
-            return 2
+            report_error(str(exc))
+            return ERROR_EXIT_CODE
         if rank == 0:
             print(f"loaded checkpoint from {args.load} at iteration {trainer.iteration}")
     if rank == 0:
@@ -112,9 +112,8 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
     except ArgumentError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        report_error(str(exc))
+        return ERROR_EXIT_CODE
     return train(args)
 
 

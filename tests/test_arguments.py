@@ -74,3 +74,47 @@ def test_launcher_exits_2_with_one_line_before_any_process_group(tmp_path):
     assert lines == ["error: world size 6 is not divisible by --tensor-model-parallel-size 2 x "
                      "--pipeline-model-parallel-size 2; launch a multiple of 4 processes"]
     assert not save.exists()
+
+
+def _item6_inputs(tmp: Path) -> list:
+    """Issue 14 item 6: inputs that once ended in tracebacks, late failures or silent runs.
+    (extra argv, text the one error line must contain)"""
+    short = tmp / "short.txt"
+    short.write_text("too short")
+    binary = tmp / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    a_file = tmp / "a_file"
+    a_file.write_text("x")
+    return [
+        (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+        (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 1, got -2"),
+        (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1"),
+        (["--num-layers", "0"], "--num-layers must be >= 1, got 0"),
+        (["--log-interval", "0"], "--log-interval must be >= 1, got 0"),
+        (["--lr", "-0.001"], "--lr must be >= 0, got -0.001"),
+        (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+        (["--data-path", str(short)], "9 bytes, needs at least 65"),
+        (["--data-path", str(binary)], "binary data (NUL byte at offset 0)"),
+        (["--log-json", "/proc/version"], "--log-json /proc/version: cannot be written"),
+        (["--log-json", str(tmp)], "is a directory or special file"),
+        (["--save", str(a_file)], "is a file, not a directory"),
+    ]
+
+
+def test_issue14_item6_inputs_fail_in_one_line_before_any_process_group(tmp_path):
+    """Each input through the real script as rank 0 of 2 (MASTER_PORT points nowhere, so
+    joining a process group would fail differently): exit 2, one `error:` line, nothing
+    written."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
+    save = tmp_path / "ckpt"
+    for argv, message in _item6_inputs(tmp_path):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--preset", "tiny", "--save", str(save)] + argv,
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+            (argv, proc.stderr)
+        assert not save.exists()

@@ -1,0 +1,179 @@
+"""`dhelix train`: check the training arguments, then run `scripts/pretrain_gpt.py` under
+torchrun, so that a bad input ends in one `error: ...` line printed last, exit code 2.
+
+    dhelix train --nproc-per-node 4 --preset tiny --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2
+
+Why a launcher: under plain torchrun, any rank that exits non-zero makes torchrun print its
+own ~40-line failure report (a ChildFailedError traceback) after the rank's error and exit
+with code 1, whether one rank or all ranks fail. `dhelix train` instead
+
+1. validates every Megatron argument (ranges, paths, sizes against the world size
+   `--nproc-per-node x --nnodes`) before starting anything: a bad one prints
+   `error: ...` and exits 2, and no process is started;
+2. otherwise runs `python -m torch.distributed.run ... scripts/pretrain_gpt.py ARGS` and
+   hands every rank the path of an error file (`$DHELIX_ERROR_FILE`): a rank that stops on
+   a clear error found only at run time (a checkpoint that does not fit, a plan for another
+   run) writes its message there instead of printing it (`report_error`). When torchrun
+   fails and the file holds a message, the launcher prints `error: MESSAGE` after
+   torchrun's report, as the last line, and exits 2; otherwise it exits with torchrun's
+   code (0 on success, 1 when a rank crashed).
+
+Ctrl-C reaches torchrun directly (same process group); while torchrun runs the launcher
+ignores SIGINT and passes SIGTERM and SIGHUP on to torchrun, then waits for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ERROR_FILE_ENV = "DHELIX_ERROR_FILE"
+ERROR_EXIT_CODE = 2
+RANK0_GRACE_S = 2.0
+PRETRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "pretrain_gpt.py"
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+
+
+def report_error(message: str) -> None:
+    """Report a rank's one-line error so that the user sees it once per job, whichever rank
+    fails first:
+
+    - under `dhelix train`: append it to `$DHELIX_ERROR_FILE`; the launcher prints the
+      first one as the last line;
+    - otherwise rank 0 prints `error: MESSAGE` to stderr. Under plain torchrun the other
+      ranks first wait up to `RANK0_GRACE_S` (torchrun stops them as soon as rank 0 exits),
+      so that rank 0 is not stopped before it prints.
+
+    Under torchrun the line also goes to this rank's `$TORCHELASTIC_ERROR_FILE`, so
+    torchrun's failure report shows it as the root cause's `traceback`."""
+    line = " ".join(str(message).splitlines())
+    _write_torchelastic_error(f"error: {line}")
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, (line + "\n").encode())  # one append: lines never interleave
+            finally:
+                os.close(fd)
+            return
+        except OSError:
+            pass  # the launcher is gone or its directory too: print instead
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(RANK0_GRACE_S)
+
+
+def _write_torchelastic_error(text: str) -> None:
+    """torchrun's error-file format (what `torch.distributed.elastic`'s `@record` writes)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    payload = {"message": {"message": text, "extraInfo": {
+        "py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as handle:
+            json.dump(payload, handle)
+    except OSError:
+        pass  # the report then says "To enable traceback see ..."; the line is printed anyway
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="check the arguments, then train under torchrun (scripts/pretrain_gpt.py)",
+        description=__doc__ + "\nAll other arguments are scripts/pretrain_gpt.py's (Megatron's; "
+        "see `python scripts/pretrain_gpt.py --help`).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks on this node (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
+    parser.add_argument("--master-addr", default=None, help="node 0's address (multi-node)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="node 0's port (default: a free port on one node)")
+    parser.set_defaults(func=run, pass_through=True)
+
+
+def _launcher_problem(args) -> str | None:
+    """The first bad launcher option, as a one-line message, or None."""
+    if args.nproc_per_node < 1:
+        return f"--nproc-per-node must be >= 1, got {args.nproc_per_node}"
+    if args.nnodes < 1:
+        return f"--nnodes must be >= 1, got {args.nnodes}"
+    if not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank must be in [0, {args.nnodes - 1}] for --nnodes {args.nnodes}, " \
+               f"got {args.node_rank}"
+    if args.nnodes > 1 and not args.master_addr:
+        return "--nnodes > 1 needs --master-addr (node 0's address)"
+    if not PRETRAIN_SCRIPT.is_file():
+        return (f"{PRETRAIN_SCRIPT} not found; dhelix train runs from a source checkout "
+                "(pip install -e .)")
+    return None
+
+
+def torchrun_command(args, megatron_args: list[str]) -> list[str]:
+    """The torchrun command line `dhelix train` runs (this Python's torch.distributed.run)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           "--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes),
+           "--node-rank", str(args.node_rank)]
+    if args.master_addr:
+        cmd += ["--master-addr", args.master_addr]
+    if args.master_port is not None:
+        cmd += ["--master-port", str(args.master_port)]
+    return cmd + [str(PRETRAIN_SCRIPT), *megatron_args]
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """Wait for torchrun with SIGINT ignored and SIGTERM/SIGHUP passed on; its exit code
+    (128 + N when signal N killed it)."""
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    for signum in _FORWARDED:
+        previous[signum] = signal.signal(signum, lambda n, _f: proc.send_signal(n))
+    try:
+        code = proc.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code
+
+
+def _first_error(path: Path) -> str | None:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    return next((ln for ln in lines if ln.strip()), None)
+
+
+def run(args) -> int:
+    from dhelix.arguments import ArgumentError, parse_args
+
+    megatron_args = list(args.extra_args)
+    problem = _launcher_problem(args)
+    if problem is None:
+        try:
+            parse_args(megatron_args, world_size=args.nproc_per_node * args.nnodes)
+        except ArgumentError as exc:
+            problem = str(exc)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return ERROR_EXIT_CODE
+    sys.stdout.flush()
+    with tempfile.TemporaryDirectory(prefix="dhelix-train-") as tmp:
+        error_file = Path(tmp) / "errors"
+        env = dict(os.environ, **{ERROR_FILE_ENV: str(error_file)})
+        code = _wait(subprocess.Popen(torchrun_command(args, megatron_args), env=env))
+        message = _first_error(error_file)
+    if code != 0 and message:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return ERROR_EXIT_CODE
+    return code
