@@ -77,6 +77,18 @@ def _timeline_step(trainer) -> dict:
     return {**totals, "step_s": elapsed}
 
 
+def _plan_costs(trainer) -> dict:
+    """What the plan predicts per paired layer (sequential and planned ms), and how many
+    layer pairs one step pairs: (micro-batches - 1) x local layers without pipelining, None
+    with it (the W schedule pairs fewer; no step prediction is made there)."""
+    plan, args = trainer.dhelix.plan, trainer.args
+    pairs = None
+    if args.pipeline_model_parallel_size == 1:
+        pairs = (args.num_microbatches - 1) * len(trainer.dhelix.runner.bound_layers)
+    return {"sequential_ms": plan.sequential_ms, "planned_ms": plan.planned_ms,
+            "paired_layers_per_step": pairs}
+
+
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
                systems: dict | None = None) -> dict:
     """Every rank: build one trainer per system (`systems`: name -> extra arguments added
@@ -123,6 +135,8 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     result = {"rank": ctx.rank, "times": times, "memory": memory,
               "plans": {name: t.dhelix.describe() for name, t in trainers.items()
                         if t.dhelix is not None},
+              "plan_costs": {name: _plan_costs(t) for name, t in trainers.items()
+                             if t.dhelix is not None and t.dhelix.plan is not None},
               "timelines": {name: _timeline_step(t) for name, t in trainers.items()
                             if t.dhelix is not None}}
     dhelix = trainers.get("dhelix")

@@ -135,7 +135,8 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
                                                f"{config.name}.log)"
     return {"config": {"name": config.name, "description": config.description,
                        "nodes": config.nodes, "ranks_per_node": config.ranks_per_node,
-                       "tp": config.tp, "pp": config.pp},
+                       "tp": config.tp, "pp": config.pp, "world_size": config.world_size,
+                       "cores": os.cpu_count(), "oversubscribed": config.oversubscribed()},
             "bandwidth": bandwidth, "status": status, "cleanup": cleanup,
             "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
             "summary": summarise_config(raw), "raw": raw}
@@ -184,7 +185,7 @@ def orchestrate(ns) -> int:
     failed = False
     for name in configs:
         config = CONFIGS[name]
-        bandwidth = bandwidths[name] or "800mbit"
+        bandwidth = bandwidths[name] or config.bandwidth
         if profiles[name] is None and not ns.no_profile and any(s.uses_profile
                                                                  for s in systems):
             profiles[name] = profile_config(config, model, ns, bandwidth, raw_dir)
@@ -224,7 +225,8 @@ def worker(spec_path: str) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default="a,b,c", help="comma-separated: a, b, c")
+    parser.add_argument("--configs", default="a,a2,b,c",
+                        help="comma-separated: a, a2, b, c (default all)")
     parser.add_argument("--systems", default=None,
                         help="comma-separated subset (default all: megatron, commfree, "
                              "ops_sequential, domino, wavelet, dhelix)")

@@ -1,13 +1,20 @@
 """Turn the benchmark's raw per-rank measurements into its results: JSON, markdown and a
 bar chart.
 
-Per system and configuration: step time = the slowest rank's median over the measured
-repetitions (ranks finish a step together through the collectives); tokens/s = global
+Per system and configuration: a repetition's step time is its slowest rank's (ranks finish
+a step together through the collectives); step time = the median over the measured
+repetitions, reported with their min and max; tokens/s = global
 batch x sequence length / step time; speedup = T_megatron / T_x; share of the exposed
 communication hidden = (T_megatron - T_x) / (T_megatron - T_commfree), where T_commfree is
 the timing-only communication-free bound (1.0 = as fast as without communication; it is
 undefined when the bound is not faster than Megatron); peak memory per rank = the compute
 thread's peak tensor bytes during one forward/backward (`dhelix.memtrace`).
+
+Predicted speedup (rows with a plan, without pipelining): the plan says how much faster one
+paired layer runs than the same operators one after another (sequential_ms - planned_ms);
+a step pairs (m - 1) x layers of them, so the predicted step is the measured sequential
+operator-program step minus that saving, and the predicted speedup is T_megatron over it,
+next to the measured T_megatron / T_x.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ def summarise_config(raw: dict) -> dict:
     unavailable, timing_only}}, "tokens_per_step", ...}. Returns the configuration's rows
     (every system, n/a ones with their reason) and the comm share of Megatron's step."""
     ranks = raw.get("ranks") or []
-    step = {}
+    step, spread = {}, {}
     for name in (ranks[0]["times"] if ranks else {}):
-        step[name] = max(statistics.median(r["times"][name]) for r in ranks)
+        per_rep = [max(rep) for rep in zip(*(r["times"][name] for r in ranks))]
+        step[name] = statistics.median(per_rep)
+        spread[name] = (min(per_rep), step[name], max(per_rep))
     t_meg, t_free = step.get("megatron"), step.get("commfree")
     exposed = (t_meg - t_free) if (t_meg is not None and t_free is not None) else None
     rows = []
@@ -34,6 +43,9 @@ def summarise_config(raw: dict) -> dict:
             t = step[name]
             row.update(
                 step_s=t,
+                step_s_min_median_max=spread[name],
+                predicted_speedup=_predicted_speedup(ranks[0].get("plan_costs", {}).get(name),
+                                                     t_meg, step.get("ops_sequential")),
                 tokens_per_s=raw["tokens_per_step"] / t,
                 speedup=t_meg / t if t_meg else None,
                 hidden_share=((t_meg - t) / exposed) if exposed and exposed > 0 else None,
@@ -45,6 +57,17 @@ def summarise_config(raw: dict) -> dict:
     return {"config": raw["config"], "rows": rows,
             "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
             else None}
+
+
+def _predicted_speedup(costs: dict | None, t_meg: float | None,
+                       t_sequential: float | None) -> float | None:
+    """T_megatron / (T_sequential - paired layers x per-layer saving), see the module
+    docstring; None where there is no plan, no step prediction or no baseline."""
+    if not costs or not costs.get("paired_layers_per_step") or not t_meg or not t_sequential:
+        return None
+    saved_s = costs["paired_layers_per_step"] * (costs["sequential_ms"]
+                                                  - costs["planned_ms"]) / 1e3
+    return t_meg / (t_sequential - saved_s) if t_sequential > saved_s else None
 
 
 def _slowest_rank_timeline(ranks: list, name: str) -> dict | None:
@@ -74,26 +97,33 @@ def markdown(results: dict) -> str:
     for entry in results["configs"]:
         cfg = entry["config"]
         share = entry["summary"]["comm_share_of_megatron"]
+        over = (f" **Oversubscribed: {cfg['world_size']} ranks on {cfg['cores']} cores** "
+                "(the ranks' computation time-shares the cores; not a headline figure)."
+                if cfg.get("oversubscribed") else "")
         lines += [f"## ({cfg['name']}) {cfg['description']}", "",
                   f"Link {entry['bandwidth']}; load average before/after "
                   f"{entry['load_before']} / {entry['load_after']}; communication = "
                   f"{_fmt(share, '{:.0%}')} of Megatron's step; cleanup: "
-                  f"{entry['cleanup']}.", "",
-                  "| system | step (ms) | tokens/s | speedup vs Megatron | comm hidden | "
-                  "peak mem / rank (MiB, max) |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                  f"{entry['cleanup']}.{over}", "",
+                  "| system | step (ms) | min / max (ms) | tokens/s | speedup vs Megatron | "
+                  "predicted | comm hidden | peak mem / rank (MiB, max) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for row in entry["summary"]["rows"]:
             if row["unavailable"]:
-                lines.append(f"| {row['label']} | n/a ({row['unavailable']}) | | | | |")
+                lines.append(f"| {row['label']} | n/a ({row['unavailable']}) | | | | | | |")
                 continue
             if "step_s" not in row:
-                lines.append(f"| {row['label']} | not measured | | | | |")
+                lines.append(f"| {row['label']} | not measured | | | | | | |")
                 continue
             hidden = "(bound)" if row["system"] == "commfree" else _fmt(row["hidden_share"],
                                                                         "{:.0%}")
+            low, _, high = row.get("step_s_min_median_max") or (None, None, None)
             lines.append(
-                f"| {row['label']} | {row['step_s'] * 1e3:.0f} | {row['tokens_per_s']:.0f} | "
-                f"{_fmt(row['speedup'], '{:.3f}x')} | {hidden} | "
+                f"| {row['label']} | {row['step_s'] * 1e3:.0f} | "
+                f"{_fmt(low and low * 1e3, '{:.0f}')} / {_fmt(high and high * 1e3, '{:.0f}')} | "
+                f"{row['tokens_per_s']:.0f} | "
+                f"{_fmt(row['speedup'], '{:.3f}x')} | "
+                f"{_fmt(row.get('predicted_speedup'), '{:.3f}x')} | {hidden} | "
                 f"{max(row['peak_bytes_per_rank']) / 2**20:.1f} |")
         lines += [""] + _timeline_table(entry["summary"]["rows"])
     return "\n".join(lines)
@@ -142,7 +172,9 @@ def bar_chart(results: dict, path) -> None:
                         ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("tokens/s")
-        ax.set_title(f"({entry['config']['name']}) {entry['config']['description']}",
+        over = "\nOVERSUBSCRIBED (more ranks than cores)" \
+            if entry["config"].get("oversubscribed") else ""
+        ax.set_title(f"({entry['config']['name']}) {entry['config']['description']}{over}",
                      fontsize=9)
     fig.suptitle("tokens/s (label: speedup over Megatron; grey: timing-only bound)",
                  fontsize=10)

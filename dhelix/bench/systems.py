@@ -16,6 +16,8 @@ and strand executor (`dhelix.runtime`), so the baselines are options of one code
   interleaving, no planning.
 - dhelix: `--dhelix --dhelix-pairer dp [--dhelix-profile P]`; micro-batch pairs with the DP
   plan from the profile (or from analytic costs, labelled so).
+- dhelix_barriers: the same plan with `--dhelix-block-barriers` (every block waits for its
+  collectives, as the planner's cost model assumes): what the barriers cost.
 
 With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped schedule
 (the pairer decides how each SI block's layer pairs are interleaved); Megatron runs 1F1B.
@@ -50,6 +52,8 @@ SYSTEMS = (
     System("wavelet", "Wavelet-style (round robin)",
            ("--dhelix", "--dhelix-pairer", "round_robin")),
     System("dhelix", "DHelix", ("--dhelix", "--dhelix-pairer", "dp"), uses_profile=True),
+    System("dhelix_barriers", "DHelix, barrier after every block",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-block-barriers"), uses_profile=True),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
@@ -64,10 +68,18 @@ class Config:
     tp: int
     pp: int
     description: str
+    bandwidth: str = "800mbit"  # default cross-node link (`--bandwidth CONFIG=RATE` wins)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    def oversubscribed(self, cores: int | None = None) -> bool:
+        """More ranks than this machine has cores: the ranks' computation time-shares, so
+        its figures are not headline results."""
+        import os
+
+        return self.world_size > (cores or os.cpu_count() or 1)
 
     def parallel_args(self) -> list:
         return ["--tensor-model-parallel-size", str(self.tp),
@@ -76,6 +88,9 @@ class Config:
 
 CONFIGS = {
     "a": Config("a", 2, 1, tp=2, pp=1, description="2 nodes x 1 rank, TP=2 across nodes"),
+    # (a) on a slower link: communication 40-50% of Megatron's step on the default model
+    "a2": Config("a2", 2, 1, tp=2, pp=1, bandwidth="400mbit",
+                 description="2 nodes x 1 rank, TP=2 across nodes, communication-heavy link"),
     "b": Config("b", 2, 2, tp=4, pp=1, description="2 nodes x 2 ranks, TP=4"),
     "c": Config("c", 2, 2, tp=2, pp=2,
                 description="2 nodes x 2 ranks, TP=2 within nodes, PP=2 across nodes"),

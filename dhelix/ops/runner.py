@@ -80,9 +80,12 @@ class LayerExecution:
         self._done: set[str] = set()
         self._phase = "idle"
         self._running: Optional[str] = None
-        # (group role, channel) -> process group replacing the layer's own group for the
-        # collectives of that channel (the executor's communication lanes); empty = none.
+        # (group role, channel, strand slot) -> process group replacing the layer's own group
+        # for the collectives of that channel (the executor's communication lanes); empty =
+        # none. `strand_slot` (0 or 1) is set by the executor: the strand this execution
+        # runs as in the current block (`dhelix.runtime.strand_executor`).
         self.lane_groups: dict = {}
+        self.strand_slot = 0
         # True only for the benchmark's communication-free bound (timing only, wrong
         # numerics): every collective becomes a no-op (`dhelix.ops.collectives`).
         self.no_comm_timing_only = False
@@ -134,10 +137,10 @@ class LayerExecution:
 
     def comm_group(self, op):
         """The process group a collective operator runs on: its lane's group when the
-        executor assigned one for (role, channel), else the layer's own group. A lane group
-        has the same ranks as the layer's group, so results are identical."""
+        executor assigned one for (role, channel, strand slot), else the layer's own group.
+        A lane group has the same ranks as the layer's group, so results are identical."""
         role = op.attrs["group"]
-        lane = self.lane_groups.get((role, op.channel))
+        lane = self.lane_groups.get((role, op.channel, self.strand_slot))
         return lane if lane is not None else self.binding.group(role)
 
     def collectives(self, op):

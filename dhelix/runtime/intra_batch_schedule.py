@@ -51,7 +51,8 @@ class IntraBatchSplitSchedule(DHelixSchedule):
             for execution, x in zip(pair, halves):
                 execution.begin_forward(x, None, mb.pre.rotary_pos_emb)
             mb.executions.append(pair)
-            run_blocks(pair[0], pair[1], self.runner.blocks, timeline=self.runner.timeline)
+            run_blocks(pair[0], pair[1], self.runner.blocks, barrier=self.runner.block_barriers,
+                       timeline=self.runner.timeline)
             halves = [execution.end_forward() for execution in pair]
         y = torch.cat(halves, dim=BATCH_DIM)
         return self._finish_forward(mb, y, model, config, ctx)
@@ -61,7 +62,8 @@ class IntraBatchSplitSchedule(DHelixSchedule):
         for pair in reversed(mb.executions):
             for execution, grad in zip(pair, grads):
                 execution.begin_backward(grad)
-            run_blocks(pair[0], pair[1], self.bwd_blocks, timeline=self.runner.timeline)
+            run_blocks(pair[0], pair[1], self.bwd_blocks, barrier=self.runner.block_barriers,
+                       timeline=self.runner.timeline)
             grads = [execution.end_backward() for execution in pair]
         self._finish_backward(mb, torch.cat(grads, dim=BATCH_DIM))
 

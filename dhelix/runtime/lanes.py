@@ -6,7 +6,13 @@
   reader has waited (see `dhelix.ops.runner`), and ProcessGroupNCCL records its tensors on
   its own stream (`record_stream` discipline) on GPU.
 - Each communication lane has its own process group with the same ranks as the layer's
-  tensor-parallel group. On CPU these are gloo groups whose work runs on gloo's threads
+  tensor-parallel group, one per channel (intra-node, cross-node) and strand slot (the
+  first and the second strand of a paired block, `STRAND_SLOTS`). Separate groups per strand
+  are what make co-execution safe: which strand issues its next collective first depends on
+  timing (the executor runs whichever strand is ready), so on a shared group two ranks
+  could issue the strands' collectives in different orders and the transport would pair
+  one strand's all-reduce with the other's. Per strand, the order is the plan's on every
+  rank. On CPU these are gloo groups whose work runs on gloo's threads
   while the calling thread computes; on GPU they are NCCL communicators, each with its own
   CUDA stream, so an intra-node collective of one strand, a cross-node collective of the
   other and the compute stream proceed concurrently. A consumer waits on the collective's
@@ -33,6 +39,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 COMM_LANES = ("intra", "inter")
+STRAND_SLOTS = (0, 1)
 
 
 @dataclass
@@ -43,7 +50,7 @@ class Lanes:
     in the same order (torch.distributed.new_group is a collective over the world).
     """
 
-    groups: dict = field(default_factory=dict)  # (role, lane) -> ProcessGroup
+    groups: dict = field(default_factory=dict)  # (role, lane, strand slot) -> ProcessGroup
     # Benchmark-only communication-free bound: attached executions replace every collective
     # with a no-op of the same output shape (TIMING ONLY, WRONG NUMERICS; see
     # `dhelix.ops.collectives`). Set only by `--dhelix-commfree-timing-only`.
@@ -52,8 +59,8 @@ class Lanes:
     @classmethod
     def build(cls, role_groups: dict, no_comm_timing_only: bool = False) -> "Lanes":
         """`role_groups`: role -> this rank's process group for that role (e.g. Megatron's
-        TP group). For each role and communication lane, creates a group with the same
-        ranks, for every group of that role in the world."""
+        TP group). For each role, communication lane and strand slot, creates a group with
+        the same ranks, for every group of that role in the world."""
         lanes = cls(no_comm_timing_only=no_comm_timing_only)
         for role, group in role_groups.items():
             mine = tuple(dist.get_process_group_ranks(group))
@@ -61,10 +68,11 @@ class Lanes:
             dist.all_gather_object(everyone, mine)
             all_groups = sorted(set(everyone))
             for lane in COMM_LANES:
-                for ranks in all_groups:
-                    clone = dist.new_group(list(ranks))
-                    if ranks == mine:
-                        lanes.groups[(role, lane)] = clone
+                for slot in STRAND_SLOTS:
+                    for ranks in all_groups:
+                        clone = dist.new_group(list(ranks))
+                        if ranks == mine:
+                            lanes.groups[(role, lane, slot)] = clone
         return lanes
 
     def attach(self, execution) -> None:

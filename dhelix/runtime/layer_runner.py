@@ -28,7 +28,9 @@ class LayerRunner:
     """`bound_layers[i]` binds local layer i; `lanes` (None without TP) routes collectives;
     `fwd_order` / `bwd_order` / `blocks` come from the plan (one plan for all layers);
     `timeline` (a `dhelix.runtime.timeline.Timeline`, default None) records what the
-    compute thread does, for explaining step times."""
+    compute thread does, for explaining step times; `block_barriers` (default False) ends
+    every block of a layer pair with a barrier instead of only the last
+    (`strand_executor.run_blocks`)."""
 
     bound_layers: Sequence
     lanes: object
@@ -36,6 +38,7 @@ class LayerRunner:
     bwd_order: tuple
     blocks: tuple
     timeline: object = None
+    block_barriers: bool = False
 
     def __post_init__(self):
         self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
@@ -82,7 +85,8 @@ class LayerRunner:
             fwd = self.new_execution(layer)
             fwd.begin_forward(x, None, rotary_pos_emb)
             bwd.begin_backward(grad)
-            run_blocks(fwd, bwd, self.blocks, timeline=self.timeline)
+            run_blocks(fwd, bwd, self.blocks, barrier=self.block_barriers,
+                       timeline=self.timeline)
             x = fwd.end_forward()
             grad = bwd.end_backward()
             executions.append(fwd)

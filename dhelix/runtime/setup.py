@@ -231,7 +231,8 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
         runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(fwd.fwd_order),
-                             bwd_order=tuple(bwd.fwd_order), blocks=tuple(fwd.blocks))
+                             bwd_order=tuple(bwd.fwd_order), blocks=tuple(fwd.blocks),
+                             block_barriers=getattr(args, "dhelix_block_barriers", False))
         schedule = IntraBatchSplitSchedule(parts=parts, runner=runner, bwd_blocks=bwd.blocks)
         source = "domino: intra-batch split, staggered halves, no planning"
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
@@ -239,7 +240,8 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
                            timing_only=timing_only)
     plan, source = _resolve_plan(args, dags["fwd"], dags["bwd"])
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
-                         bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks))
+                         bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
+                         block_barriers=getattr(args, "dhelix_block_barriers", False))
     if pipelined:
         forward_backward = make_forward_backward_func(
             build_w_schedule, passes=FoldedOperatorPasses(parts, runner))

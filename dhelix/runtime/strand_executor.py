@@ -7,8 +7,9 @@ collective at a strand's head as soon as the strand reaches it (collectives are
 asynchronous: they return a handle at once), and fills the wait with the other strand's
 computation: it runs the head computation of a strand whose inputs are ready, preferring
 to alternate strands, and only blocks on a pending collective when neither strand can
-proceed. At the end of a block both strands' collectives are waited on (the barrier between
-consecutive paired blocks that the planner's cost model assumes).
+proceed. A block can end with a barrier (both strands' collectives waited on, as the
+planner's cost model assumes); `run_blocks` puts one only after a layer pair's last block
+unless asked for one after every block, since a reader already waits for what it reads.
 
 The two strands are usually a forward and a backward (the DHelix SI block), but nothing
 here depends on their directions: each strand runs the program of its execution's current
@@ -39,8 +40,9 @@ class Block:
 
 
 class _Strand:
-    def __init__(self, execution, ops: Sequence[str]):
+    def __init__(self, execution, ops: Sequence[str], slot: int):
         self.execution = execution
+        execution.strand_slot = slot  # its collectives go to this strand's lanes
         self.ops = list(ops)
         self.next = 0
         self.kinds = {}
@@ -80,8 +82,8 @@ def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
     backward; two executions in the same direction work alike). Either side may be empty
     or None (a segment running alone). `timeline` (a `dhelix.runtime.timeline.Timeline`)
     records what the compute thread did; None records nothing."""
-    strands = [s for s in (_Strand(fwd_execution, block.fwd) if block.fwd else None,
-                           _Strand(bwd_execution, block.bwd) if block.bwd else None) if s]
+    strands = [s for s in (_Strand(fwd_execution, block.fwd, 0) if block.fwd else None,
+                           _Strand(bwd_execution, block.bwd, 1) if block.bwd else None) if s]
     turn = 0
     while any(not s.done() for s in strands):
         for strand in strands:
@@ -101,10 +103,16 @@ def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
 
 
 def run_blocks(fwd_execution, bwd_execution, blocks: Sequence[Block],
-               barrier: bool = True, timeline=None) -> None:
-    """Run a layer pair's whole plan: every block in order."""
-    for block in blocks:
-        run_block(fwd_execution, bwd_execution, block, barrier=barrier, timeline=timeline)
+               barrier: bool = False, timeline=None) -> None:
+    """Run a layer pair's whole plan: every block in order. With `barrier` False (the
+    default) a block's collectives may still be in flight when the next block starts: a
+    reader waits for exactly the collective it reads, and only the end of the last block
+    waits for everything (so both executions can end their programs). With `barrier` True
+    every block ends by waiting for its collectives, as the planner's cost model assumes."""
+    for index, block in enumerate(blocks):
+        last = index == len(blocks) - 1
+        run_block(fwd_execution, bwd_execution, block, barrier=barrier or last,
+                  timeline=timeline)
 
 
 def run_alone(execution, order: Sequence[str], timeline=None) -> None:
