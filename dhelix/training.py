@@ -185,6 +185,7 @@ class Trainer:
         """One iteration: forward/backward over the global batch, then the optimizer step."""
         start = time.perf_counter()
         losses = self.forward_backward()
+        self.last_forward_backward_s = time.perf_counter() - start  # for benchmarks
         grad_norm = self.optimizer_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()

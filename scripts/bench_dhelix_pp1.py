@@ -119,20 +119,27 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     # model's embedding group differs); each trainer keeps references to its own model and
     # groups, its finalize_model_grads included (dhelix.training.Trainer.build).
     times = {name: [] for name in trainers}
+    # where a measured step went: forward/backward (what a recorded step covers), the
+    # optimizer step, and the rest (loss reduction across ranks, memory reading)
+    parts = {name: {"forward_backward": [], "optimizer": [], "rest": []} for name in trainers}
     for i in range(warmup + repeats):
         for name, trainer in trainers.items():
             dist.barrier()
             start = time.perf_counter()
-            trainer.train_step()
+            result = trainer.train_step()
             elapsed = time.perf_counter() - start
             if i >= warmup:
                 times[name].append(elapsed)
+                fb = trainer.last_forward_backward_s
+                parts[name]["forward_backward"].append(fb)
+                parts[name]["optimizer"].append(result.step_time_s - fb)
+                parts[name]["rest"].append(elapsed - result.step_time_s)
     memory = {}
     for name, trainer in trainers.items():
         dist.barrier()
         _, reading = measure_peak(trainer.forward_backward)
         memory[name] = reading.compute_peak_bytes
-    result = {"rank": ctx.rank, "times": times, "memory": memory,
+    result = {"rank": ctx.rank, "times": times, "step_parts": parts, "memory": memory,
               "plans": {name: t.dhelix.describe() for name, t in trainers.items()
                         if t.dhelix is not None},
               "plan_costs": {name: _plan_costs(t) for name, t in trainers.items()

@@ -52,11 +52,23 @@ def summarise_config(raw: dict) -> dict:
                 peak_bytes_per_rank=[r["memory"][name] for r in ranks],
                 step_s_per_rank=[statistics.median(r["times"][name]) for r in ranks],
                 plan=ranks[0]["plans"].get(name),
-                timeline=_slowest_rank_timeline(ranks, name))
+                timeline=_slowest_rank_timeline(ranks, name),
+                step_parts=_step_parts(ranks, name))
         rows.append(row)
     return {"config": raw["config"], "rows": rows,
             "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
             else None}
+
+
+def _step_parts(ranks: list, name: str) -> dict | None:
+    """Median forward/backward, optimizer and rest (s) of the measured steps, on the rank
+    whose recorded step waited longest (the one the timeline table shows)."""
+    timelines = [r.get("timelines", {}).get(name) for r in ranks]
+    if not any(timelines) or "step_parts" not in ranks[0]:
+        return None
+    index = max((i for i, t in enumerate(timelines) if t),
+                key=lambda i: timelines[i]["wait"] + timelines[i]["barrier"])
+    return {k: statistics.median(v) for k, v in ranks[index]["step_parts"][name].items()}
 
 
 def _predicted_speedup(costs: dict | None, t_meg: float | None,
@@ -137,15 +149,23 @@ def _timeline_table(rows: list) -> list:
     recorded = [r for r in rows if r.get("timeline")]
     if not recorded:
         return []
-    lines = ["Recorded step (compute thread of the rank that waited longest, ms):", "",
-             "| system | step | layer compute | issue | wait on comm | barrier | outside layers |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["Recorded step (one more forward/backward with the compute thread's spans recorded, "
+             "on the rank that waited longest, ms), next to the measured steps' median "
+             "forward/backward and optimizer time on that rank (a measured step is "
+             "forward/backward + optimizer + loss reduction):", "",
+             "| system | recorded forward/backward | layer compute | issue | wait on comm | "
+             "barrier | outside layers | measured forward/backward | optimizer | rest |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in recorded:
         t = row["timeline"]
         outside = t["step_s"] - t["recorded"]
+        parts = row.get("step_parts") or {}
+        measured = [_fmt(parts.get(k) and parts[k] * 1e3, "{:.0f}")
+                    for k in ("forward_backward", "optimizer", "rest")]
         lines.append(f"| {row['label']} | {t['step_s'] * 1e3:.0f} | {t['compute'] * 1e3:.0f} | "
                      f"{t['issue'] * 1e3:.0f} | {t['wait'] * 1e3:.0f} | "
-                     f"{t['barrier'] * 1e3:.0f} | {outside * 1e3:.0f} |")
+                     f"{t['barrier'] * 1e3:.0f} | {outside * 1e3:.0f} | "
+                     + " | ".join(measured) + " |")
     return lines + [""]
 
 

@@ -5,9 +5,12 @@ backward operators (strand alpha).
 Within a block each strand runs its segment in plan order. The executor issues every
 collective at a strand's head as soon as the strand reaches it (collectives are
 asynchronous: they return a handle at once), and fills the wait with the other strand's
-computation: it runs the head computation of a strand whose inputs are ready, preferring
-to alternate strands, and only blocks on a pending collective when neither strand can
-proceed. A block can end with a barrier (both strands' collectives waited on, as the
+computation: it runs the head computation of a strand whose inputs are ready and, when both
+are ready, of the strand with fewer computation operators left before its next collective
+(so that collective is in flight as early as possible while the other strand computes;
+ties alternate), and only blocks on a pending collective when neither strand can proceed.
+Measured on the emulated cluster, configuration (a): the DHelix row went from 1.048x to
+1.142x over Megatron with this choice, against plain alternation (docs/benchmark.md). A block can end with a barrier (both strands' collectives waited on, as the
 planner's cost model assumes); `run_blocks` puts one only after a layer pair's last block
 unless asked for one after every block, since a reader already waits for what it reads.
 
@@ -49,6 +52,11 @@ class _Strand:
         if ops:
             program = execution.programs.program(execution.phase)
             self.kinds = {op_id: program[op_id].kind for op_id in ops}
+        # computation operators left before the strand's next collective, per position
+        self.to_comm = [0] * (len(self.ops) + 1)
+        self.to_comm[-1] = len(self.ops) + 1
+        for i in range(len(self.ops) - 1, -1, -1):
+            self.to_comm[i] = 0 if self.kinds[self.ops[i]] == "comm" else self.to_comm[i + 1] + 1
 
     def done(self) -> bool:
         return self.next >= len(self.ops)
@@ -93,6 +101,9 @@ def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
             break
         ready = [s for s in waiting if s.execution.op_ready(s.head())]
         candidates = ready or waiting
+        if len(candidates) > 1:  # the strand nearest its next collective goes first
+            nearest = min(s.to_comm[s.next] for s in candidates)
+            candidates = [s for s in candidates if s.to_comm[s.next] == nearest]
         strand = candidates[turn % len(candidates)]
         strand.run_head(timeline)
         turn += 1
