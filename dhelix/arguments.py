@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# A stalled rank fails the job within a minute on dhelix's small runs (Megatron: 10).
+DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 0.75
 
 
 class ArgumentError(ValueError):
@@ -113,6 +115,34 @@ def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
                    help="also write one JSON record per logged iteration to this file (rank 0)")
 
 
+def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="stop with an error naming the iteration when the loss or the grad "
+                        "norm is NaN/inf, before anything of that iteration is saved "
+                        "(default: on; --no-check-for-nan-in-loss-and-grad trains on)")
+    g.add_argument("--distributed-timeout-minutes", type=float,
+                   default=DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES,
+                   help="how long a rank waits on another in a collective before the job "
+                        "fails naming the ranks that stopped answering (fractions allowed: "
+                        f"0.1 = 6 s; default {DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES} = "
+                        f"{DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES * 60:.0f} s, Megatron's is "
+                        "10; raise it for slow saves or long first steps)")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --load: load this iteration instead of the latest")
+
+
+def _validate_fault_tolerance_args(ns: argparse.Namespace) -> None:
+    if not 0 < ns.distributed_timeout_minutes < 10**6:  # also refuses nan and inf
+        raise ArgumentError(f"--distributed-timeout-minutes {ns.distributed_timeout_minutes} "
+                            "must be a positive number of minutes (e.g. 0.75 for 45 s)")
+    if ns.ckpt_step is not None and ns.load is None:
+        raise ArgumentError("--ckpt-step needs --load (the directory holding that iteration)")
+    if ns.ckpt_step is not None and ns.ckpt_step < 0:
+        raise ArgumentError(f"--ckpt-step {ns.ckpt_step} must be >= 0")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -124,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_args(p)
     _add_checkpoint_args(p)
     _add_dhelix_args(p)
+    _add_fault_tolerance_args(p)
     return p
 
 
@@ -280,6 +311,7 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
             raise ArgumentError(f"--{flag.replace('_', '-')} needs --dhelix")
         if path is not None and not Path(path).is_file():
             raise ArgumentError(f"--{flag.replace('_', '-')} {path}: no such file")
+    _validate_fault_tolerance_args(ns)
     ns.data_parallel_size = dp
     ns.num_microbatches = ns.global_batch_size // per_step
 

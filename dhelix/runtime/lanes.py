@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dhelix.parallel import job_timeout
+
 log = logging.getLogger(__name__)
 
 COMM_LANES = ("intra", "inter")
@@ -62,7 +64,7 @@ class Lanes:
             all_groups = sorted(set(everyone))
             for lane in COMM_LANES:
                 for ranks in all_groups:
-                    clone = dist.new_group(list(ranks))
+                    clone = dist.new_group(list(ranks), timeout=job_timeout())
                     if ranks == mine:
                         lanes.groups[(role, lane)] = clone
         return lanes
