@@ -28,6 +28,8 @@ from dhelix.input_checks import (  # ArgumentError is re-exported: callers impor
 )
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# A stalled rank fails the job within a minute on dhelix's small runs (Megatron: 10).
+DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 0.75
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -125,6 +127,29 @@ def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
                    help="also write one JSON record per logged iteration to this file (rank 0)")
 
 
+def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="stop with an error naming the iteration when the loss or the grad "
+                        "norm is NaN/inf, before anything of that iteration is saved "
+                        "(default: on; --no-check-for-nan-in-loss-and-grad trains on)")
+    g.add_argument("--distributed-timeout-minutes", type=float,
+                   default=DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES,
+                   help="how long a rank waits on another in a collective before the job "
+                        "fails naming the ranks that stopped answering (fractions allowed: "
+                        f"0.1 = 6 s; default {DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES} = "
+                        f"{DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES * 60:.0f} s, Megatron's is "
+                        "10; raise it for slow saves or long first steps)")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --load: load this iteration instead of the latest")
+
+
+def _validate_fault_tolerance_args(ns: argparse.Namespace) -> None:
+    if ns.ckpt_step is not None and ns.load is None:
+        raise ArgumentError("--ckpt-step needs --load (the directory holding that iteration)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -136,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_args(p)
     _add_checkpoint_args(p)
     _add_dhelix_args(p)
+    _add_fault_tolerance_args(p)
     return p
 
 
@@ -312,6 +338,7 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
         if getattr(ns, dest) is not None and not ns.dhelix:
             raise ArgumentError(f"{flag(dest)} needs --dhelix")
     check_path_args(ns)
+    _validate_fault_tolerance_args(ns)
     ns.data_parallel_size = dp
     ns.num_microbatches = ns.global_batch_size // per_step
 

@@ -5,8 +5,15 @@ Layout on disk follows Megatron-LM: `<dir>/iter_0000010/` (a dist-checkpoint dir
 checkpoint saved with one TP/PP/DP layout loads into another (see the exception below).
 
 Guarantees:
-- A save is written to `iter_XXXXXXX.tmp` and renamed only when every rank finished, and the
-  tracker file is updated after the rename: an interrupted save never becomes "latest".
+- A save is written to `iter_XXXXXXX.tmp` and renamed only when every rank finished and the
+  checksum manifest (`dhelix.checkpoint_integrity`) is written; the tracker file is replaced
+  atomically after the rename: an interrupted save never becomes "latest".
+- A save starts no processes (megatron_patches.checkpoint_writer): nothing outlives a killed
+  rank. Optimizer state is written to files of its own.
+- A load verifies every file it reads against the manifest first and refuses a damaged,
+  truncated or incomplete checkpoint with one line naming the file and what to do (an
+  earlier iteration with --ckpt-step, or --no-load-optim when only optimizer state is hit);
+  nothing is loaded then.
 - Loading checks the saved model arguments against the current ones first and raises
   `CheckpointError` naming each mismatching argument.
 - Model weights load into any TP/PP/DP layout; optimizer state too, except that of the
@@ -27,6 +34,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from dhelix.checkpoint_integrity import Damage, find_damage, write_manifest
+from megatron_patches.checkpoint_writer import InProcessTorchDistSaveStrategy
 from megatron_patches.compat import megatron_core_version, optimizer_state_loadable
 from megatron_patches.optimizer_state import (
     ensure_optimizer_state,
@@ -50,6 +59,21 @@ class CheckpointError(RuntimeError):
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
+
+
+def saved_iterations(root: str | os.PathLike) -> list[int]:
+    """Iterations with a (renamed, so finished) `iter_XXXXXXX/` directory under `root`."""
+    found = (p.name[len("iter_"):] for p in Path(root).glob("iter_*") if p.is_dir())
+    return sorted(int(n) for n in found if n.isdigit())
+
+
+def remove_incomplete_saves(root: str | os.PathLike) -> list[Path]:
+    """Delete `iter_XXXXXXX.tmp` directories under `root` (saves that never finished, e.g.
+    a killed run) and return them. Call on one rank, before this run's first save."""
+    stale = sorted(p for p in Path(root).glob("iter_*.tmp") if p.is_dir())
+    for path in stale:
+        shutil.rmtree(path)
+    return stale
 
 
 def latest_iteration(root: str | os.PathLike) -> int:
@@ -136,13 +160,16 @@ def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
         tmp.mkdir()
     dist.barrier()
     state = _sharded_state_dict(trainer, with_optimizer=True, with_rng=True, is_loading=False)
-    dist_checkpointing.save(state, str(tmp))
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=InProcessTorchDistSaveStrategy())
     dist.barrier()
+    write_manifest(tmp)  # collective; ends with a barrier
     if dist.get_rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        (root / TRACKER).write_text(f"{trainer.iteration}\n")
+        tracker_tmp = root / (TRACKER + ".tmp")
+        tracker_tmp.write_text(f"{trainer.iteration}\n")
+        os.replace(tracker_tmp, root / TRACKER)
     dist.barrier()
     return final
 
@@ -157,14 +184,37 @@ def _check_compatible(saved_args: dict, args, where: Path) -> None:
         raise CheckpointError(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 
 
-def load_checkpoint(trainer, root: str | os.PathLike, load_optimizer: bool = True,
-                    load_rng: bool = True) -> int:
-    """Load the latest checkpoint under `root` into the trainer. Returns its iteration.
+def _damage_message(root, iteration: int, damage: Damage, load_optimizer: bool) -> str:
+    where = iteration_dir(root, iteration)
+    earlier = [i for i in saved_iterations(root) if i < iteration]
+    if earlier:
+        remedy = (f"resume from an earlier iteration with --ckpt-step N (saved under {root}: "
+                  f"{', '.join(map(str, earlier))})")
+    else:
+        remedy = f"no earlier iteration is saved under {root}; start without --load"
+    if damage.optimizer_only and load_optimizer:
+        remedy = ("it holds optimizer state only: pass --no-load-optim to load the weights "
+                  f"with a fresh optimizer, or {remedy}")
+    return (f"--load {root}: {where.name}/{damage.file} {damage.problem}; nothing was "
+            f"loaded; {remedy}")
 
-    Collective. The model's weights, the iteration and consumed samples are always loaded;
-    optimizer state unless `load_optimizer` is False; RNG when asked and the layout matches.
+
+def load_checkpoint(trainer, root: str | os.PathLike, load_optimizer: bool = True,
+                    load_rng: bool = True, iteration: int | None = None) -> int:
+    """Load the latest checkpoint under `root` (or `iteration`, Megatron's --ckpt-step) into
+    the trainer. Returns its iteration.
+
+    Collective. Every file the load reads is verified against the checkpoint's checksum
+    manifest first; a problem raises CheckpointError before anything is loaded. The model's
+    weights, the iteration and consumed samples are always loaded; optimizer state unless
+    `load_optimizer` is False; RNG when asked and the layout matches.
     """
-    iteration = latest_iteration(root)
+    if iteration is None:
+        iteration = latest_iteration(root)
+    elif not iteration_dir(root, iteration).is_dir():
+        saved = ", ".join(map(str, saved_iterations(root))) or "none"
+        raise CheckpointError(f"--ckpt-step {iteration}: no {iteration_dir(root, iteration)} "
+                              f"(saved iterations under {root}: {saved})")
     where = iteration_dir(root, iteration)
     if load_optimizer and not optimizer_state_loadable(trainer.optimizer):
         raise CheckpointError(
@@ -172,6 +222,9 @@ def load_checkpoint(trainer, root: str | os.PathLike, load_optimizer: bool = Tru
             f"--optimizer {trainer.args.optimizer} state; pass --no-load-optim to load only "
             "the model (the optimizer state starts fresh)"
         )
+    damage = find_damage(where, need_optimizer=load_optimizer)
+    if damage is not None:
+        raise CheckpointError(_damage_message(root, iteration, damage, load_optimizer))
     common = dist_checkpointing.load_common_state_dict(str(where))
     _check_compatible(common.get("args", {}), trainer.args, where)
     saved_distopt = common.get("use_distributed_optimizer")

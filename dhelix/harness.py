@@ -100,7 +100,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: floa
         proc = ctx.Process(
             target=_rank_main,
             args=(fn, rank, world_size, port, dict(env or {}), args, kwargs, results),
-            daemon=False,  # Megatron's checkpoint writer starts child processes
+            daemon=False,  # a daemonic process may not start children; a rank may
         )
         proc.start()
         procs.append(proc)

@@ -100,6 +100,9 @@ RANGES: dict[str, Bound] = {
     "log_interval": AT_LEAST_1,
     # checkpointing
     "save_interval": AT_LEAST_1,
+    "ckpt_step": NON_NEGATIVE,
+    # fault tolerance (a million minutes: far past any run, still a finite timedelta)
+    "distributed_timeout_minutes": Bound(0, 10**6, low_open=True, high_open=True),
 }
 
 

@@ -33,23 +33,49 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 
 
+def _print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
 def train(args) -> int:
+    """Join the job, run `_train`, leave the job. A collective that times out because ranks
+    stopped answering ends with one line naming them (exit code 1)."""
     import logging
 
-    from dhelix.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
-    from dhelix.parallel import (
-        ParallelSizes,
-        destroy_parallel_state,
-        init_megatron_parallel_state,
-        init_process_group_from_env,
-    )
-    from dhelix.file_formats import FormatError
-    from dhelix.folding import uses_folded_model
-    from dhelix.runtime.setup import DHelixSetupError
-    from dhelix.training import Trainer, format_step, step_record
+    from dhelix.parallel import destroy_parallel_state, init_process_group_from_env
+    from dhelix.stall import StallGuard
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    init_process_group_from_env(args.distributed_backend)
+    timeout_s = 60 * args.distributed_timeout_minutes
+    init_process_group_from_env(args.distributed_backend, timeout_s=timeout_s)
+    import torch.distributed as dist
+
+    guard = StallGuard.for_job(timeout_s)
+    try:
+        return _train(args)
+    except Exception as exc:
+        if guard is None or guard.explain(exc, report=_print_error) is None:
+            raise
+        return 1
+    finally:
+        destroy_parallel_state()
+        dist.destroy_process_group()
+
+
+def _train(args) -> int:
+    from dhelix.checkpointing import (
+        CheckpointError,
+        iteration_dir,
+        load_checkpoint,
+        remove_incomplete_saves,
+        save_checkpoint,
+    )
+    from dhelix.divergence import nonfinite_error
+    from dhelix.file_formats import FormatError
+    from dhelix.folding import uses_folded_model
+    from dhelix.parallel import ParallelSizes, init_megatron_parallel_state
+    from dhelix.runtime.setup import DHelixSetupError
+    from dhelix.training import Trainer, format_step, step_record
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -62,15 +88,21 @@ def train(args) -> int:
     except (DHelixSetupError, FormatError) as exc:
         report_error(str(exc))
         return ERROR_EXIT_CODE
+    last_checkpoint = None  # the newest good checkpoint of this run (loaded or saved)
     if args.load:
         try:
             load_checkpoint(trainer, args.load, load_optimizer=not args.no_load_optim,
-                            load_rng=not args.no_load_rng)
+                            load_rng=not args.no_load_rng, iteration=args.ckpt_step)
         except CheckpointError as exc:
             report_error(str(exc))
             return ERROR_EXIT_CODE
+        last_checkpoint = iteration_dir(args.load, trainer.iteration)
         if rank == 0:
             print(f"loaded checkpoint from {args.load} at iteration {trainer.iteration}")
+    if args.save and rank == 0:
+        for stale in remove_incomplete_saves(args.save):
+            print(f"removed {stale}: a save that did not finish (an earlier run was stopped "
+                  "during it)", flush=True)
     if rank == 0:
         print(f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size}"
               f" x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, "
@@ -93,8 +125,14 @@ def train(args) -> int:
                 if log_file:
                     log_file.write(step_record(result) + "\n")
                     log_file.flush()
+            error = (nonfinite_error(result.iteration, result.loss, result.grad_norm,
+                                     last_checkpoint)
+                     if args.check_for_nan_in_loss_and_grad else None)
+            if error:  # the same on every rank: loss and grad norm are global
+                report_error(error)
+                return 1
             if args.save and args.save_interval and result.iteration % args.save_interval == 0:
-                save_checkpoint(trainer, args.save)
+                last_checkpoint = save_checkpoint(trainer, args.save)
         if args.save and (not args.save_interval or trainer.iteration % args.save_interval):
             path = save_checkpoint(trainer, args.save)
             if rank == 0:
@@ -102,8 +140,6 @@ def train(args) -> int:
     finally:
         if log_file:
             log_file.close()
-        destroy_parallel_state()
-        dist.destroy_process_group()
     return 0
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dhelix.parallel import job_timeout
+
 log = logging.getLogger(__name__)
 
 COMM_LANES = ("intra", "inter")
@@ -70,7 +72,7 @@ class Lanes:
             for lane in COMM_LANES:
                 for slot in STRAND_SLOTS:
                     for ranks in all_groups:
-                        clone = dist.new_group(list(ranks))
+                        clone = dist.new_group(list(ranks), timeout=job_timeout())
                         if ranks == mine:
                             lanes.groups[(role, lane, slot)] = clone
         return lanes
