@@ -26,11 +26,12 @@ def test_flags_parse():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0.0 must be a "
-                                             "positive number of minutes"),
-    (["--distributed-timeout-minutes", "nan"], "--distributed-timeout-minutes nan must be"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be in "
+                                             "(0, 1e+06), got 0.0"),
+    (["--distributed-timeout-minutes", "nan"], "--distributed-timeout-minutes must be in"),
+    (["--distributed-timeout-minutes", "1e7"], "--distributed-timeout-minutes must be in"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load"),
-    (["--load", ".", "--ckpt-step", "-1"], "--ckpt-step -1 must be >= 0"),
+    (["--load", ".", "--ckpt-step", "-1"], "--ckpt-step must be >= 0, got -1"),
 ])
 def test_bad_values_are_refused_in_one_line(argv, message):
     with pytest.raises(ArgumentError) as info:
