@@ -210,6 +210,15 @@ def _preset_value(action: argparse.Action, key: str, value, preset: str):
     return value
 
 
+def _given_on_command_line(argv) -> set:
+    """The dests the command line sets (whatever their value): parsed again with every
+    default suppressed, so only given arguments appear."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_known_args(argv)[0]))
+
+
 def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
     """Parse, apply the preset and derived defaults, validate. Raises ArgumentError.
 
@@ -222,12 +231,12 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
         )
     if ns.preset:
         preset = load_preset(ns.preset)
-        defaults = parser.parse_args([])
         actions = {a.dest: a for a in parser._actions}
+        given = _given_on_command_line(argv)
         for key, value in preset.items():
-            if key not in vars(defaults):
+            if key not in actions or key == "help":
                 raise ArgumentError(f"--preset: unknown key '{key}' in preset {ns.preset}")
-            if getattr(ns, key) == getattr(defaults, key):
+            if key not in given:  # the command line wins, also with the default's value
                 setattr(ns, key, _preset_value(actions[key], key, value, ns.preset))
     check_ranges(ns)
     fill_derived_args(ns)

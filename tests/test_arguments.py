@@ -118,3 +118,10 @@ def test_issue14_item6_inputs_fail_in_one_line_before_any_process_group(tmp_path
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
             (argv, proc.stderr)
         assert not save.exists()
+
+
+def test_command_line_wins_over_the_preset_even_with_the_default_value():
+    # tiny's micro-batch size is 2; the parser's default is 1: asking for 1 must give 1
+    assert parse_args(["--preset", "tiny", "--micro-batch-size", "1",
+                       "--global-batch-size", "8"]).micro_batch_size == 1
+    assert parse_args(["--preset", "tiny"]).micro_batch_size == 2
