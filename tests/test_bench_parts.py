@@ -78,7 +78,9 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     entries = []
     for name, raw in (("a", _raw()), ("c", c_raw)):
         cfg = CONFIGS[name]
-        entries.append({"config": {"name": name, "description": cfg.description},
+        entries.append({"config": {"name": name, "description": cfg.description,
+                                   "world_size": cfg.world_size, "cores": 2,
+                                   "oversubscribed": cfg.oversubscribed(2)},
                         "bandwidth": "800mbit", "load_before": [1, 1, 1],
                         "load_after": [1, 1, 1], "cleanup": "verified",
                         "summary": summarise_config(raw)})
@@ -89,8 +91,30 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     assert "| DHelix (analytic-cost plan, no profile) | 3200 | 2000 | 100 | 303 | 200 | 597 |" \
         in text
     assert "## (a)" in text and "## (c)" in text
+    assert text.count("Oversubscribed: 4 ranks on 2 cores") == 1  # (c) only
     assert "n/a (--dhelix-pairer domino (intra-batch split) runs without" in text
     assert "(bound)" in text
     assert not math.isnan(entries[0]["summary"]["comm_share_of_megatron"])
     bar_chart(results, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_configurations_oversubscribed_and_a2_on_a_slower_link():
+    assert [CONFIGS[n].oversubscribed(2) for n in ("a", "a2", "b", "c")] == [
+        False, False, True, True]
+    assert not CONFIGS["b"].oversubscribed(16)
+    assert CONFIGS["a2"].bandwidth == "400mbit" and CONFIGS["a"].bandwidth == "800mbit"
+
+
+def test_spread_and_predicted_step_speedup():
+    raw = _raw()
+    for rank in raw["ranks"]:  # 3 layers x (8 - 1) paired layers, each saving 10 ms
+        rank["plan_costs"] = {"dhelix": {"sequential_ms": 50.0, "planned_ms": 40.0,
+                                         "paired_layers_per_step": 21}}
+    rows = {r["system"]: r for r in summarise_config(raw)["rows"]}
+    per_rep = [max(t, t * 1.01) for t in (3.2, 3.2, 3.3)]
+    assert rows["dhelix"]["step_s_min_median_max"] == pytest.approx(
+        (min(per_rep), sorted(per_rep)[1], max(per_rep)))
+    t_meg, t_seq = 4.1 * 1.01, 4.0 * 1.01
+    assert rows["dhelix"]["predicted_speedup"] == pytest.approx(t_meg / (t_seq - 0.21))
+    assert rows["wavelet"]["predicted_speedup"] is None  # no plan costs recorded

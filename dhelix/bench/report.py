@@ -44,8 +44,8 @@ def summarise_config(raw: dict) -> dict:
             row.update(
                 step_s=t,
                 step_s_min_median_max=spread[name],
-                predicted_speedup=_predicted_speedup(ranks[0].get("plan_costs", {}).get(name),
-                                                     t_meg, step.get("ops_sequential")),
+                predicted_speedup=None if run["timing_only"] else _predicted_speedup(
+                    ranks[0].get("plan_costs", {}).get(name), t_meg, step.get("ops_sequential")),
                 tokens_per_s=raw["tokens_per_step"] / t,
                 speedup=t_meg / t if t_meg else None,
                 hidden_share=((t_meg - t) / exposed) if exposed and exposed > 0 else None,
