@@ -130,7 +130,7 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
             elapsed = time.perf_counter() - start
             if i >= warmup:
                 times[name].append(elapsed)
-                fb = trainer.last_forward_backward_s
+                fb = result.forward_backward_s
                 parts[name]["forward_backward"].append(fb)
                 parts[name]["optimizer"].append(result.step_time_s - fb)
                 parts[name]["rest"].append(elapsed - result.step_time_s)

@@ -63,11 +63,9 @@ def summarise_config(raw: dict) -> dict:
 def _step_parts(ranks: list, name: str) -> dict | None:
     """Median forward/backward, optimizer and rest (s) of the measured steps, on the rank
     whose recorded step waited longest (the one the timeline table shows)."""
-    timelines = [r.get("timelines", {}).get(name) for r in ranks]
-    if not any(timelines) or "step_parts" not in ranks[0]:
+    index = _longest_waiting_rank(ranks, name)
+    if index is None or "step_parts" not in ranks[index]:
         return None
-    index = max((i for i, t in enumerate(timelines) if t),
-                key=lambda i: timelines[i]["wait"] + timelines[i]["barrier"])
     return {k: statistics.median(v) for k, v in ranks[index]["step_parts"][name].items()}
 
 
@@ -82,14 +80,20 @@ def _predicted_speedup(costs: dict | None, t_meg: float | None,
     return t_meg / (t_sequential - saved_s) if t_sequential > saved_s else None
 
 
-def _slowest_rank_timeline(ranks: list, name: str) -> dict | None:
-    """The recorded step (`bench_body`'s timeline totals) of the rank that waited longest on
-    communication, or None for systems without the DHelix runtime."""
+def _longest_waiting_rank(ranks: list, name: str) -> int | None:
+    """Index of the rank whose recorded step (`bench_body`'s timeline totals) waited longest
+    on communication, or None for systems without the DHelix runtime."""
     timelines = [r.get("timelines", {}).get(name) for r in ranks]
-    timelines = [t for t in timelines if t]
-    if not timelines:
+    recorded = [i for i, t in enumerate(timelines) if t]
+    if not recorded:
         return None
-    return max(timelines, key=lambda t: t["wait"] + t["barrier"])
+    return max(recorded, key=lambda i: timelines[i]["wait"] + timelines[i]["barrier"])
+
+
+def _slowest_rank_timeline(ranks: list, name: str) -> dict | None:
+    """The recorded step of the rank that waited longest (`_longest_waiting_rank`)."""
+    index = _longest_waiting_rank(ranks, name)
+    return None if index is None else ranks[index]["timelines"][name]
 
 
 def _fmt(value, pattern: str, missing: str = "-") -> str:
@@ -103,7 +107,8 @@ def markdown(results: dict) -> str:
     lines = ["# DHelix benchmark", "",
              f"Model: `{' '.join(results['megatron_args'])}`; {results['reps']} measured "
              f"repetitions after {results['warmup']} warm-up, interleaved across systems. "
-             "Step time = slowest rank's median. Hidden share = (T_megatron - T_x) / "
+             "Step time = median over the repetitions of each one's slowest rank (min / max "
+             "beside it). Hidden share = (T_megatron - T_x) / "
              "(T_megatron - T_commfree). The comm-free row is a timing-only bound (its "
              "collectives are no-ops, its numerics are wrong).", ""]
     for entry in results["configs"]:

@@ -206,6 +206,7 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
     if len(model_chunks) != 1:
         raise DHelixSetupError("--dhelix does not support virtual pipeline chunks")
     timing_only = bool(getattr(args, "dhelix_commfree_timing_only", False))
+    block_barriers = bool(getattr(args, "dhelix_block_barriers", False))
     if timing_only:
         log.warning(COMMFREE_WARNING)
     pipelined = args.pipeline_model_parallel_size > 1
@@ -232,7 +233,7 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
         runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(fwd.fwd_order),
                              bwd_order=tuple(bwd.fwd_order), blocks=tuple(fwd.blocks),
-                             block_barriers=getattr(args, "dhelix_block_barriers", False))
+                             block_barriers=block_barriers)
         schedule = IntraBatchSplitSchedule(parts=parts, runner=runner, bwd_blocks=bwd.blocks)
         source = "domino: intra-batch split, staggered halves, no planning"
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
@@ -241,7 +242,7 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
     plan, source = _resolve_plan(args, dags["fwd"], dags["bwd"])
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
-                         block_barriers=getattr(args, "dhelix_block_barriers", False))
+                         block_barriers=block_barriers)
     if pipelined:
         forward_backward = make_forward_backward_func(
             build_w_schedule, passes=FoldedOperatorPasses(parts, runner))

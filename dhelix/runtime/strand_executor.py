@@ -10,9 +10,11 @@ are ready, of the strand with fewer computation operators left before its next c
 (so that collective is in flight as early as possible while the other strand computes;
 ties alternate), and only blocks on a pending collective when neither strand can proceed.
 Measured on the emulated cluster, configuration (a): the DHelix row went from 1.048x to
-1.142x over Megatron with this choice, against plain alternation (docs/benchmark.md). A block can end with a barrier (both strands' collectives waited on, as the
-planner's cost model assumes); `run_blocks` puts one only after a layer pair's last block
-unless asked for one after every block, since a reader already waits for what it reads.
+1.142x over Megatron with this choice, against plain alternation, in two runs of their own
+(docs/benchmark.md). A block can end with a barrier (both strands' collectives waited on,
+as the planner's cost model assumes); `run_blocks` puts one only after a layer pair's last
+block unless asked for one after every block, since a reader already waits for what it
+reads.
 
 The two strands are usually a forward and a backward (the DHelix SI block), but nothing
 here depends on their directions: each strand runs the program of its execution's current
