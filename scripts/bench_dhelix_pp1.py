@@ -101,6 +101,7 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     import torch.distributed as dist
 
     from dhelix.arguments import parse_args
+    from dhelix.bench.cpu_time import CpuTimes
     from dhelix.folding import uses_folded_model
     from dhelix.memtrace import measure_peak
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
@@ -121,19 +122,25 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     times = {name: [] for name in trainers}
     # where a measured step went: forward/backward (what a recorded step covers), the
     # optimizer step, and the rest (loss reduction across ranks, memory reading)
+    # and how the compute thread spent the step (`dhelix.bench.cpu_time`)
     parts = {name: {"forward_backward": [], "optimizer": [], "rest": []} for name in trainers}
     for i in range(warmup + repeats):
         for name, trainer in trainers.items():
             dist.barrier()
+            cpu_before = CpuTimes.now()
             start = time.perf_counter()
             result = trainer.train_step()
             elapsed = time.perf_counter() - start
+            cpu = CpuTimes.now().since(cpu_before)
             if i >= warmup:
                 times[name].append(elapsed)
                 fb = result.forward_backward_s
                 parts[name]["forward_backward"].append(fb)
                 parts[name]["optimizer"].append(result.step_time_s - fb)
                 parts[name]["rest"].append(elapsed - result.step_time_s)
+                for key, value in cpu.items():
+                    if value is not None:
+                        parts[name].setdefault(key, []).append(value)
     memory = {}
     for name, trainer in trainers.items():
         dist.barrier()

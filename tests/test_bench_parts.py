@@ -118,3 +118,71 @@ def test_spread_and_predicted_step_speedup():
     t_meg, t_seq = 4.1 * 1.01, 4.0 * 1.01
     assert rows["dhelix"]["predicted_speedup"] == pytest.approx(t_meg / (t_seq - 0.21))
     assert rows["wavelet"]["predicted_speedup"] is None  # no plan costs recorded
+
+
+def test_cpu_readings_split_a_busy_interval_from_a_sleeping_one():
+    import time
+
+    from dhelix.bench.cpu_time import CpuTimes
+
+    before, start = CpuTimes.now(), time.perf_counter()
+    while time.perf_counter() < start + 0.2:  # on CPU
+        pass
+    busy = CpuTimes.now().since(before)
+    wall = time.perf_counter() - start  # >= 0.2: the loop ends when it next gets the core
+    before = CpuTimes.now()
+    time.sleep(0.2)  # blocked
+    idle = CpuTimes.now().since(before)
+    if busy["thread_run"] is None:
+        pytest.skip("no /proc/thread-self/schedstat here")
+    # run + runnable covers the busy loop's wall time (the core may have been shared)
+    assert busy["thread_run"] + busy["thread_runnable"] == pytest.approx(wall, abs=0.02)
+    assert busy["thread_run"] > 0.05
+    assert idle["thread_run"] < 0.02 and idle["thread_runnable"] < 0.02
+    assert idle["other_threads"] >= 0 and busy["softirq"] >= 0
+
+
+def test_cpu_accounting_table_is_the_ranks_mean_of_their_medians():
+    raw = _raw()
+    for f, rank in zip((1.0, 1.01), raw["ranks"]):
+        rank["step_parts"] = {"dhelix": {"thread_run": [2.0 * f, 2.2 * f, 2.1 * f],
+                                         "thread_runnable": [0.3, 0.3, 0.3],
+                                         "other_threads": [0.2, 0.2, 0.2],
+                                         "softirq": [0.1, 0.1, 0.1]}}
+    rows = {r["system"]: r for r in summarise_config(raw)["rows"]}
+    cpu = rows["dhelix"]["cpu_accounting"]
+    assert cpu["thread_run"] == pytest.approx((2.1 + 2.1 * 1.01) / 2)
+    step = (3.2 + 3.2 * 1.01) / 2
+    assert cpu["blocked"] == pytest.approx(step - cpu["thread_run"] - 0.3)
+    assert rows["megatron"]["cpu_accounting"] is None  # no readings recorded
+    text = markdown({"megatron_args": MODEL, "reps": 3, "warmup": 1, "configs": [
+        {"config": {"name": "a", "description": "d", "world_size": 2, "cores": 2},
+         "bandwidth": "800mbit", "load_before": [0], "load_after": [0], "cleanup": "ok",
+         "summary": summarise_config(raw)}]})
+    assert "waiting for the core" in text
+    line = next(l for l in text.splitlines() if l.startswith("| DHelix") and "| 2" in l
+                and l.count("|") == 8)
+    assert f"| {step * 1e3:.0f} | {cpu['thread_run'] * 1e3:.0f} | 300 |" in line
+
+
+def test_cpu_readings_count_another_threads_work():
+    import threading
+    import time
+
+    from dhelix.bench.cpu_time import CpuTimes
+
+    def spin():
+        deadline = time.perf_counter() + 0.2
+        while time.perf_counter() < deadline:
+            pass
+
+    before = CpuTimes.now()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    time.sleep(0.05)  # measured while the worker still runs (an ended thread is not counted)
+    during = CpuTimes.now().since(before)
+    worker.join()
+    if during["other_threads"] is None:
+        pytest.skip("no /proc/self/task/*/schedstat here")
+    assert during["other_threads"] > 0.01
+    assert during["thread_run"] < during["other_threads"]

@@ -53,7 +53,8 @@ def summarise_config(raw: dict) -> dict:
                 step_s_per_rank=[statistics.median(r["times"][name]) for r in ranks],
                 plan=ranks[0]["plans"].get(name),
                 timeline=_slowest_rank_timeline(ranks, name),
-                step_parts=_step_parts(ranks, name))
+                step_parts=_step_parts(ranks, name),
+                cpu_accounting=_cpu_accounting(ranks, name))
         rows.append(row)
     return {"config": raw["config"], "rows": rows,
             "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
@@ -67,6 +68,29 @@ def _step_parts(ranks: list, name: str) -> dict | None:
     if index is None or "step_parts" not in ranks[index]:
         return None
     return {k: statistics.median(v) for k, v in ranks[index]["step_parts"][name].items()}
+
+
+CPU_KEYS = ("thread_run", "thread_runnable", "other_threads", "softirq")
+
+
+def _cpu_accounting(ranks: list, name: str) -> dict | None:
+    """How the compute thread spent a measured step (`dhelix.bench.cpu_time`), mean over
+    the ranks of each rank's median (s): the step, on CPU, waiting for the core, off CPU (blocked:
+    the step minus those two), the rank's other threads' CPU, and the machine's softirq
+    time. None when the ranks recorded no readings."""
+    per_rank = []
+    for r in ranks:
+        parts = r.get("step_parts", {}).get(name, {})
+        if not all(parts.get(k) for k in ("thread_run", "thread_runnable")):
+            return None
+        step = statistics.median(r["times"][name])
+        medians = {k: statistics.median(parts[k]) for k in CPU_KEYS if parts.get(k)}
+        medians["step"] = step
+        medians["blocked"] = step - medians["thread_run"] - medians["thread_runnable"]
+        per_rank.append(medians)
+    if not per_rank:
+        return None
+    return {k: statistics.fmean(m[k] for m in per_rank) for k in per_rank[0]}
 
 
 def _predicted_speedup(costs: dict | None, t_meg: float | None,
@@ -143,6 +167,7 @@ def markdown(results: dict) -> str:
                 f"{_fmt(row.get('predicted_speedup'), '{:.3f}x')} | {hidden} | "
                 f"{max(row['peak_bytes_per_rank']) / 2**20:.1f} |")
         lines += [""] + _timeline_table(entry["summary"]["rows"])
+        lines += _cpu_table(entry["summary"]["rows"])
     return "\n".join(lines)
 
 
@@ -171,6 +196,28 @@ def _timeline_table(rows: list) -> list:
                      f"{t['issue'] * 1e3:.0f} | {t['wait'] * 1e3:.0f} | "
                      f"{t['barrier'] * 1e3:.0f} | {outside * 1e3:.0f} | "
                      + " | ".join(measured) + " |")
+    return lines + [""]
+
+
+def _cpu_table(rows: list) -> list:
+    """The compute thread's measured step by the kernel's accounts (`_cpu_accounting`)."""
+    measured = [r for r in rows if r.get("cpu_accounting")]
+    if not measured:
+        return []
+    lines = ["Compute thread's measured step by the kernel's accounts (ms; per rank, mean over "
+             "the ranks of their medians): on a CPU, runnable but the core busy with "
+             "something else (gloo's threads, the other rank, kernel work), blocked (waiting "
+             "on a collective or barrier); beside it the rank's other threads' CPU and the "
+             "machine's softirq time (all ranks):", "",
+             "| system | step | on CPU | waiting for the core | blocked | other threads' CPU | "
+             "softirq (machine) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in measured:
+        c = row["cpu_accounting"]
+        cells = [_fmt(c.get(k) and c[k] * 1e3, "{:.0f}") for k in
+                 ("thread_run", "thread_runnable", "blocked", "other_threads", "softirq")]
+        lines.append(f"| {row['label']} | {c['step'] * 1e3:.0f} | " + " | ".join(cells)
+                     + " |")
     return lines + [""]
 
 
