@@ -154,6 +154,7 @@ def test_cpu_accounting_table_is_the_ranks_mean_of_their_medians():
     assert cpu["thread_run"] == pytest.approx((2.1 + 2.1 * 1.01) / 2)
     step = (3.2 + 3.2 * 1.01) / 2
     assert cpu["blocked"] == pytest.approx(step - cpu["thread_run"] - 0.3)
+    assert cpu["cpu_work"] == pytest.approx(cpu["thread_run"] + 0.2 + 0.1 / 2)
     assert rows["megatron"]["cpu_accounting"] is None  # no readings recorded
     text = markdown({"megatron_args": MODEL, "reps": 3, "warmup": 1, "configs": [
         {"config": {"name": "a", "description": "d", "world_size": 2, "cores": 2},
@@ -161,7 +162,7 @@ def test_cpu_accounting_table_is_the_ranks_mean_of_their_medians():
          "summary": summarise_config(raw)}]})
     assert "waiting for the core" in text
     line = next(l for l in text.splitlines() if l.startswith("| DHelix") and "| 2" in l
-                and l.count("|") == 8)
+                and l.count("|") == 9)
     assert f"| {step * 1e3:.0f} | {cpu['thread_run'] * 1e3:.0f} | 300 |" in line
 
 

@@ -75,9 +75,10 @@ CPU_KEYS = ("thread_run", "thread_runnable", "other_threads", "softirq")
 
 def _cpu_accounting(ranks: list, name: str) -> dict | None:
     """How the compute thread spent a measured step (`dhelix.bench.cpu_time`), mean over
-    the ranks of each rank's median (s): the step, on CPU, waiting for the core, off CPU (blocked:
-    the step minus those two), the rank's other threads' CPU, and the machine's softirq
-    time. None when the ranks recorded no readings."""
+    the ranks of each rank's median (s): the step, on CPU, waiting for the core, off CPU
+    (blocked: the step minus those two), the rank's other threads' CPU, the machine's
+    softirq time, and the rank's CPU work (its threads' CPU plus its share of the softirq
+    time, all ranks being on this machine). None when the ranks recorded no readings."""
     per_rank = []
     for r in ranks:
         parts = r.get("step_parts", {}).get(name, {})
@@ -87,6 +88,8 @@ def _cpu_accounting(ranks: list, name: str) -> dict | None:
         medians = {k: statistics.median(parts[k]) for k in CPU_KEYS if parts.get(k)}
         medians["step"] = step
         medians["blocked"] = step - medians["thread_run"] - medians["thread_runnable"]
+        medians["cpu_work"] = (medians["thread_run"] + medians.get("other_threads", 0.0)
+                               + medians.get("softirq", 0.0) / len(ranks))
         per_rank.append(medians)
     if not per_rank:
         return None
@@ -207,15 +210,18 @@ def _cpu_table(rows: list) -> list:
     lines = ["Compute thread's measured step by the kernel's accounts (ms; per rank, mean over "
              "the ranks of their medians): on a CPU, runnable but the core busy with "
              "something else (gloo's threads, the other rank, kernel work), blocked (waiting "
-             "on a collective or barrier); beside it the rank's other threads' CPU and the "
-             "machine's softirq time (all ranks):", "",
+             "on a collective or barrier); beside it the rank's other threads' CPU, the "
+             "machine's softirq time (all ranks) and the rank's CPU work (its threads' CPU "
+             "plus its share of the softirq time: with one core per rank, no schedule makes "
+             "a step shorter than that):", "",
              "| system | step | on CPU | waiting for the core | blocked | other threads' CPU | "
-             "softirq (machine) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "softirq (machine) | CPU work per rank |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in measured:
         c = row["cpu_accounting"]
         cells = [_fmt(c.get(k) and c[k] * 1e3, "{:.0f}") for k in
-                 ("thread_run", "thread_runnable", "blocked", "other_threads", "softirq")]
+                 ("thread_run", "thread_runnable", "blocked", "other_threads", "softirq",
+                  "cpu_work")]
         lines.append(f"| {row['label']} | {c['step'] * 1e3:.0f} | " + " | ".join(cells)
                      + " |")
     return lines + [""]
