@@ -212,8 +212,9 @@ def _cpu_table(rows: list) -> list:
              "something else (gloo's threads, the other rank, kernel work), blocked (waiting "
              "on a collective or barrier); beside it the rank's other threads' CPU, the "
              "machine's softirq time (all ranks) and the rank's CPU work (its threads' CPU "
-             "plus its share of the softirq time: with one core per rank, no schedule makes "
-             "a step shorter than that):", "",
+             "plus its share of the softirq time; the cores run all ranks' CPU work, so "
+             "with as many ranks as cores no schedule makes a step shorter than its mean "
+             "over the ranks, which this column is):", "",
              "| system | step | on CPU | waiting for the core | blocked | other threads' CPU | "
              "softirq (machine) | CPU work per rank |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
