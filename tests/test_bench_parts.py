@@ -136,9 +136,9 @@ def test_cpu_readings_split_a_busy_interval_from_a_sleeping_one():
     if busy["thread_run"] is None:
         pytest.skip("no /proc/thread-self/schedstat here")
     # run + runnable covers the busy loop's wall time (the core may have been shared)
-    assert busy["thread_run"] + busy["thread_runnable"] == pytest.approx(wall, abs=0.02)
+    assert busy["thread_run"] + busy["thread_runnable"] == pytest.approx(wall, abs=0.03)
     assert busy["thread_run"] > 0.05
-    assert idle["thread_run"] < 0.02 and idle["thread_runnable"] < 0.02
+    assert idle["thread_run"] < 0.02  # (waking up may wait for the core on a busy machine)
     assert idle["other_threads"] >= 0 and busy["softirq"] >= 0
 
 
