@@ -1,4 +1,4 @@
-"""Megatron-style command-line arguments for `scripts/pretrain_gpt.py`.
+"""Megatron-style command-line arguments for `scripts/dhelix_trainer.py`.
 
 Argument names and meanings follow Megatron-LM's `megatron/training/arguments.py` for what
 dhelix supports. `--preset NAME|PATH` (a dhelix addition) loads defaults from `configs/`;
@@ -152,7 +152,7 @@ def _validate_fault_tolerance_args(ns: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py",
+        prog="dhelix_trainer.py",
         description="Megatron-core GPT pretraining (run under torchrun).",
         allow_abbrev=False,
     )
@@ -227,7 +227,7 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ArgumentError(
-            f"unrecognized arguments: {' '.join(unknown)} (see pretrain_gpt.py --help)"
+            f"unrecognized arguments: {' '.join(unknown)} (see dhelix_trainer.py --help)"
         )
     if ns.preset:
         preset = load_preset(ns.preset)

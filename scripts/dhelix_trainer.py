@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Megatron-style GPT pretraining on megatron-core (run under torchrun).
 
-    torchrun --nproc-per-node 4 scripts/pretrain_gpt.py --preset tiny \
+    torchrun --nproc-per-node 4 scripts/dhelix_trainer.py --preset tiny \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
 Megatron's argument names (see `dhelix.arguments`); GPTModel with the local spec on CPU
