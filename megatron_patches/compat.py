@@ -52,3 +52,22 @@ def optimizer_state_loadable(optimizer) -> bool:
     """
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return all(getattr(opt, "init_state_fn", None) is not None for opt in inner)
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Make `megatron.core.datasets.utils.compile_helpers` a no-op when the compiled dataset
+    helpers (`megatron.core.datasets.helpers_cpp`) already import.
+
+    Replaces: `compile_helpers`, which `megatron.training.initialize._compile_dependencies`
+    runs on rank 0 at start-up as `make -C .../megatron/core/datasets`. The megatron-core
+    wheel ships the compiled `helpers_cpp` module but no Makefile, so `make` fails and rank 0
+    exits. Returns True when the patch was installed (False: the helpers do not import, and
+    Megatron's own compile step runs as before)."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = lambda: None
+    return True
