@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
-from megatron.core.utils import get_model_config, get_model_type
+from megatron.core.utils import get_model_config
 
 from dhelix.runtime.forward_step_capture import CapturedStep, capture_forward_step
 from dhelix.runtime.layer_runner import LayerRunner
@@ -69,11 +69,10 @@ class DHelixSchedule:
             ctx.forward_data_store, cp_group_size=1, is_last_stage=True)
         return num_tokens
 
-    def _start_backward(self, mb: _MicroBatch, model, config) -> torch.Tensor:
+    def _start_backward(self, mb: _MicroBatch, config) -> torch.Tensor:
         """Loss backward through the output layer and final norm (Megatron's backward_step,
         with grad scaling); returns the gradient of the last layer's output."""
-        grad = mcore_schedules.backward_step(mb.hidden, mb.output_tensor, None,
-                                             get_model_type(model), config)
+        grad = mcore_schedules.backward_step(mb.hidden, mb.output_tensor, None, config)
         mb.hidden = mb.output_tensor = None
         return grad
 
@@ -91,14 +90,14 @@ class DHelixSchedule:
         return self._finish_forward(mb, y, model, config, ctx)
 
     def _backward_alone(self, mb, model, config) -> None:
-        grad = self._start_backward(mb, model, config)
+        grad = self._start_backward(mb, config)
         grad = self.runner.backward_alone(list(reversed(mb.executions)), grad)
         self._finish_backward(mb, grad)
 
     def _si_block(self, beta, alpha, model, config, ctx) -> int:
         """Forward of `beta` paired layer by layer with the backward of `alpha`: forward
         layer l with backward layer L-1-l."""
-        grad = self._start_backward(alpha, model, config)
+        grad = self._start_backward(alpha, config)
         layers = range(len(self.runner.bound_layers))
         y, beta.executions, grad = self.runner.run_paired(
             layers, beta.pre.decoder_input.detach(), beta.pre.rotary_pos_emb,
