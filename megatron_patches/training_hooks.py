@@ -111,7 +111,11 @@ def _hook_parallel_state(parallel_state) -> None:
 def build_folded_stage(model_config, pg_collection, seed: int):
     """This rank's `FoldedGPTModel` for a Megatron `GPTModelConfig`: the layer spec, final
     norm and padded vocabulary `GPTModelBuilder.build_model` would use for a stock stage,
-    and stock Megatron's initial weights for `seed` (`megatron_patches.folded_model`)."""
+    and stock Megatron's initial weights for `seed` (`megatron_patches.folded_model`).
+    `pretrain()` draws random tensors for its JIT warm-up between seeding a stage and
+    building its model (`initialize._warmup_jit_function`, called by
+    `set_jit_fusion_options`); each replayed stage stream replays that warm-up too."""
+    from megatron.training import initialize
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.utils import get_pg_rank
@@ -145,7 +149,9 @@ def build_folded_stage(model_config, pg_collection, seed: int):
         share_embeddings_and_output_weights=model_config.share_embeddings_and_output_weights,
         position_embedding_type=model_config.position_embedding_type,
         rotary_percent=model_config.rotary_percent, rotary_base=model_config.rotary_base,
-        pg_collection=pg_collection)
+        pg_collection=pg_collection,
+        rng_prelude=functools.partial(initialize._warmup_jit_function,
+                                      tp_size=config.tensor_model_parallel_size))
 
 
 def _hook_model_builder(gpt_models) -> None:
