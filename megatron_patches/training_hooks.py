@@ -190,6 +190,7 @@ def _hook_training(training) -> None:
 
     @functools.wraps(setup_model_and_optimizer)
     def setup(*args, **kwargs):
+        _Run.forward_backward = None  # a new pretrain() in this process starts afresh
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         megatron_args = _megatron_args()
         if megatron_args.dhelix:
@@ -210,7 +211,9 @@ def _hook_training(training) -> None:
                 _fail(str(exc))
             _Run.forward_backward = megatron_forward_backward(dhelix_setup, megatron_args)
             if megatron_args.rank == 0:
-                print(f"dhelix: {dhelix_setup.describe()}", flush=True)
+                schedule = ("W-shaped schedule over the folded model" if _folded(megatron_args)
+                            else "SI schedule")
+                print(f"dhelix: {schedule}, {dhelix_setup.describe()}", flush=True)
         return model, optimizer, scheduler
 
     @functools.wraps(get_forward_backward_func)
