@@ -136,3 +136,79 @@ def parity_body(ctx, cases: dict, train_iters: int) -> dict:
         if ctx.rank == 0:
             report[name] = {**compare_runs(stock, dhelix), "pairs": pairs}
     return report
+
+
+# ------------------------------------------------------------------ data and checkpoints
+BYTE_VOCAB = 257  # 256 byte ids and the end-of-document id NullTokenizer uses (vocab - 1)
+
+
+def write_indexed_corpus(prefix: Path, documents: int = 200) -> str:
+    """A small text corpus turned into a Megatron indexed dataset (PREFIX.bin/.idx) with
+    megatron-core's own tools: its byte-level tokenizer and `IndexedDatasetBuilder`, each
+    document ended by the end-of-document id of `--tokenizer-type NullTokenizer
+    --vocab-size 257`. Returns the `--data-path` prefix."""
+    import random
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteLevelTokenizer
+
+    words = ("the pipeline folds the model into a u so that forward and backward strands meet "
+             "on every stage while one micro batch computes another communicates").split()
+    rng = random.Random(0)
+    tokenizer = ByteLevelTokenizer()
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for _ in range(documents):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "."
+        ids = tokenizer.text_to_ids(text) + [BYTE_VOCAB - 1]
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _run_to_exit(argv: list[str]) -> list:
+    """`pretrain_in_process`, where Megatron's `sys.exit(0)` at `--exit-interval` is the
+    normal end of the run."""
+    try:
+        return pretrain_in_process(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+        return list(_Recorder.steps)
+
+
+def data_and_checkpoint_body(ctx, workdir: str, data_prefix: str, layout: list) -> dict:
+    """On `layout` (Megatron parallel arguments), returns on rank 0:
+
+    - "data": per step (loss, |loss diff|) of stock vs --dhelix on the indexed corpus
+      (`--data-path`, NullTokenizer), 2 steps each;
+    - "chain": the losses of one uninterrupted stock run of 6 steps, and of the same run
+      done in three pieces through Megatron's --save/--load: stock to step 2 (saved),
+      --dhelix from that checkpoint to step 4 (saved), stock from the --dhelix checkpoint to
+      step 6, and the parameter differences at each hand-over."""
+    from dhelix.parity import max_abs_diff
+
+    data = TINY + layout + ["--data-path", data_prefix, "--vocab-size", str(BYTE_VOCAB),
+                            "--split", "98,2,0", "--train-iters", "2"]
+    data = [a for a in data if a != "--mock-data"]
+    stock = pretrain_in_process(data)
+    dhelix = pretrain_in_process(data + ["--dhelix"])
+    base = TINY + layout + ["--train-iters", "6", "--lr-decay-style", "constant"]
+    stock_dir, dhelix_dir = f"{workdir}/ckpt_stock", f"{workdir}/ckpt_dhelix"
+    reference = pretrain_in_process(base)
+    first = _run_to_exit(base + ["--save", stock_dir, "--save-interval", "2", "--exit-interval",
+                                 "2"])
+    second = _run_to_exit(base + ["--load", stock_dir, "--save", dhelix_dir, "--save-interval",
+                                  "2", "--exit-interval", "4", "--dhelix"])
+    third = pretrain_in_process(base + ["--load", dhelix_dir])
+    if ctx.rank != 0:
+        return {}
+    pieces = first + second + third
+    return {
+        "data": [(a["loss"], abs(a["loss"] - b["loss"])) for a, b in zip(stock, dhelix)],
+        "data_steps": (len(stock), len(dhelix)),
+        "reference": [s["loss"] for s in reference],
+        "chain": [s["loss"] for s in pieces],
+        "handover_param_diff": [max_abs_diff(reference[i]["params"], pieces[i]["params"])[0]
+                                for i in (2, 4)],
+    }
