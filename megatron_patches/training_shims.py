@@ -19,7 +19,9 @@ at most once per process. Each shim names the call it replaces and why:
    turned off, which selects Megatron's unfused torch code for the same math:
    `--no-persist-layer-norm` set (torch's norm asserts persistence is off), `gradient_accumulation_fusion`
    (`fused_weight_gradient_mlp_cuda`), `bias_gelu_fusion`, `bias_swiglu_fusion`,
-   `bias_dropout_fusion`, `masked_softmax_fusion`, `apply_rope_fusion`.
+   `bias_dropout_fusion`, `masked_softmax_fusion`, `apply_rope_fusion`. Without Transformer
+   Engine, Megatron's default `--transformer-impl transformer_engine` becomes `local`
+   (megatron-core's torch-native layer spec).
 4. Memory reporting (`training_log`'s `torch.cuda.memory_stats`, `memory_reserved`,
    `max_memory_reserved`, `mem_get_info`) reads zeros: there is no device memory.
 5. The local layer spec's norm (`WrappedTorchNorm`, chosen by
@@ -56,12 +58,18 @@ _CUDA_FUSIONS = ("gradient_accumulation_fusion", "bias_gelu_fusion",
 
 def cpu_arguments(args) -> None:
     """On a CPU-only machine, adapt Megatron's parsed arguments in place (item 3 above):
-    gloo instead of nccl, CUDA kernel fusions off. Does nothing when CUDA is available."""
+    gloo instead of nccl, CUDA kernel fusions off, the local layer spec without Transformer
+    Engine. Does nothing when CUDA is available."""
     if torch.cuda.is_available():
         return
     if args.distributed_backend == "nccl":
         args.distributed_backend = "gloo"
     args.no_persist_layer_norm = True
+    if args.transformer_impl == "transformer_engine":
+        from megatron_patches.compat import has_transformer_engine
+
+        if not has_transformer_engine():
+            args.transformer_impl = "local"
     for name in _CUDA_FUSIONS:
         if getattr(args, name, False):
             setattr(args, name, False)
