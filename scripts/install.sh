@@ -4,8 +4,8 @@
 # dhelix itself (editable). Re-running is cheap: pip skips what is already there.
 #
 # Python: $PYTHON if set, else the first of python3.13, python3.12, python3 on PATH whose
-# version is >= 3.12, else a pyenv-installed one (`pyenv root`/versions/: 3.12.x first, the tested
-# version, then newer ones).
+# version is >= 3.12, else a pyenv-installed one (`pyenv root`, or $PYENV_ROOT / ~/.pyenv
+# when pyenv is not on PATH; 3.12.x first, the tested version, then newer ones).
 # A .venv made with an older Python (e.g. 3.11) is recreated.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ if v >= (3, 12): print(f"{v.major}.{v.minor}")' 2>/dev/null
 }
 
 find_python() {
-    local c v
+    local c
     if [ -n "${PYTHON:-}" ]; then
         if [ -n "$(py_ok "$PYTHON")" ]; then echo "$PYTHON"; return 0; fi
         echo "error: PYTHON=$PYTHON is not a Python >= $MIN_PY; unset PYTHON or point it at one" >&2
@@ -29,10 +29,12 @@ find_python() {
             command -v "$c"; return 0
         fi
     done
-    if command -v pyenv >/dev/null 2>&1; then
+    local root="${PYENV_ROOT:-$HOME/.pyenv}"
+    if command -v pyenv >/dev/null 2>&1; then root="$(pyenv root)"; fi
+    if [ -d "$root/versions" ]; then
         # 3.12 (the tested version) first, then newer ones, newest first
-        for c in $(ls -d "$(pyenv root)"/versions/3.12.* 2>/dev/null | sort -t. -k3,3nr) \
-                 $(ls -d "$(pyenv root)"/versions/3.* 2>/dev/null | sort -t. -k2,2nr -k3,3nr); do
+        for c in $(ls -d "$root"/versions/3.12.* 2>/dev/null | sort -t. -k3,3nr) \
+                 $(ls -d "$root"/versions/3.* 2>/dev/null | sort -t. -k2,2nr -k3,3nr); do
             if [ -x "$c/bin/python" ] && [ -n "$(py_ok "$c/bin/python")" ]; then
                 echo "$c/bin/python"; return 0
             fi
