@@ -1,6 +1,6 @@
 """Run an unmodified Megatron-LM pretrain script with dhelix switched in.
 
-    torchrun --nproc-per-node 4 -m dhelix.megatron_lm scripts/pretrain_gpt.py \
+    torchrun --nproc-per-node 4 -m dhelix.megatron_lm scripts/pretrain_gpt.py
         <Megatron arguments> [--dhelix [--dhelix-plan PLAN | --dhelix-profile PROFILE]]
 
 The script runs as `__main__` (as `python SCRIPT ARGS` would run it, its directory first on
