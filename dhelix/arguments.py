@@ -1,4 +1,4 @@
-"""Megatron-style command-line arguments for `scripts/pretrain_gpt.py`.
+"""Megatron-style command-line arguments for `scripts/dhelix_trainer.py`.
 
 Argument names and meanings follow Megatron-LM's `megatron/training/arguments.py` for what
 dhelix supports. `--preset NAME|PATH` (a dhelix addition) loads defaults from `configs/`;
@@ -101,9 +101,18 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("dhelix")
+    g = add_dhelix_runtime_args(p)
     g.add_argument("--preset", type=str, default=None,
                    help="model preset: a name in configs/ (e.g. tiny) or a JSON file path")
+    g.add_argument("--log-json", type=str, default=None,
+                   help="also write one JSON record per logged iteration to this file (rank 0)")
+
+
+def add_dhelix_runtime_args(p: argparse.ArgumentParser):
+    """Add the `--dhelix*` arguments of the DHelix runtime (`dhelix.runtime.setup`) to `p`
+    in a group "dhelix", which is returned. Used by this trainer's parser and by the
+    Megatron-LM plugin (`dhelix.megatron_lm`) on Megatron's own parser."""
+    g = p.add_argument_group("dhelix")
     g.add_argument("--dhelix", action="store_true",
                    help="co-execute micro-batch pairs (one forward with another's backward)")
     g.add_argument("--dhelix-plan", type=str, default=None,
@@ -123,8 +132,7 @@ def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dhelix-commfree-timing-only", action="store_true",
                    help="BENCHMARK ONLY: replace every TP collective of the layers with a "
                         "no-op (timing only, wrong numerics: the communication-free bound)")
-    g.add_argument("--log-json", type=str, default=None,
-                   help="also write one JSON record per logged iteration to this file (rank 0)")
+    return g
 
 
 def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
@@ -152,7 +160,7 @@ def _validate_fault_tolerance_args(ns: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py",
+        prog="dhelix_trainer.py",
         description="Megatron-core GPT pretraining (run under torchrun).",
         allow_abbrev=False,
     )
@@ -227,7 +235,7 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ArgumentError(
-            f"unrecognized arguments: {' '.join(unknown)} (see pretrain_gpt.py --help)"
+            f"unrecognized arguments: {' '.join(unknown)} (see dhelix_trainer.py --help)"
         )
     if ns.preset:
         preset = load_preset(ns.preset)

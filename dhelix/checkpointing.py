@@ -119,9 +119,9 @@ def _rng_sharded_object() -> ShardedObject:
 
 def _optimizer_metadata(args) -> dict:
     # Distributed-optimizer state uses Megatron-LM's default 'dp_reshardable' format: it
-    # reshards across DP sizes but needs the same TP/PP. ('fully_reshardable' fails to load
+    # reshards across DP sizes but needs the same TP/PP. ('fully_reshardable' failed to load
     # with torch-native Adam in megatron-core 0.16.1: it copies a `step` entry it skipped,
-    # and 'fully_sharded_model_space' is rejected outright.)
+    # and 'fully_sharded_model_space' was rejected outright; not re-tried on 0.19.2.)
     if args.use_distributed_optimizer:
         return {"distrib_optim_sharding_type": "dp_reshardable"}
     return {}
@@ -255,7 +255,7 @@ def load_checkpoint(trainer, root: str | os.PathLike, load_optimizer: bool = Tru
     chunk.module.load_state_dict(loaded["model"], strict=True)
     if load_optimizer:
         # no_grad: with fp32 params the distributed optimizer's main params are views of
-        # the model params, which megatron-core 0.16.1 copies into in place.
+        # the model params, which megatron-core copies into in place.
         with torch.no_grad():
             trainer.optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_steps_after_load(trainer.optimizer)

@@ -1,4 +1,4 @@
-"""Checks of single argument values for `scripts/pretrain_gpt.py`: number ranges and paths.
+"""Checks of single argument values for `scripts/dhelix_trainer.py`: number ranges and paths.
 
 Everything here runs before any process group exists and touches nothing on disk that
 outlives the check (a writability probe is an unnamed temporary file, removed at once).

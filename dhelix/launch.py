@@ -1,4 +1,4 @@
-"""`dhelix train`: check the training arguments, then run `scripts/pretrain_gpt.py` under
+"""`dhelix train`: check the training arguments, then run `scripts/dhelix_trainer.py` under
 torchrun, so that a bad input ends in one `error: ...` line printed last, exit code 2.
 
     dhelix train --nproc-per-node 4 --preset tiny --tensor-model-parallel-size 2 \
@@ -11,7 +11,7 @@ with code 1, whether one rank or all ranks fail. `dhelix train` instead
 1. validates every Megatron argument (ranges, paths, sizes against the world size
    `--nproc-per-node x --nnodes`) before starting anything: a bad one prints
    `error: ...` and exits 2, and no process is started;
-2. otherwise runs `python -m torch.distributed.run ... scripts/pretrain_gpt.py ARGS` and
+2. otherwise runs `python -m torch.distributed.run ... scripts/dhelix_trainer.py ARGS` and
    hands every rank the path of an error file (`$DHELIX_ERROR_FILE`): a rank that stops on
    a clear error found only at run time (a checkpoint that does not fit, a plan for another
    run) writes its message there instead of printing it (`report_error`). When torchrun
@@ -38,7 +38,7 @@ from pathlib import Path
 ERROR_FILE_ENV = "DHELIX_ERROR_FILE"
 ERROR_EXIT_CODE = 2
 RANK0_GRACE_S = 2.0
-PRETRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "pretrain_gpt.py"
+PRETRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "dhelix_trainer.py"
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -89,9 +89,9 @@ def _write_torchelastic_error(text: str) -> None:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train", help="check the arguments, then train under torchrun (scripts/pretrain_gpt.py)",
-        description=__doc__ + "\nAll other arguments are scripts/pretrain_gpt.py's (Megatron's; "
-        "see `python scripts/pretrain_gpt.py --help`).",
+        "train", help="check the arguments, then train under torchrun (scripts/dhelix_trainer.py)",
+        description=__doc__ + "\nAll other arguments are scripts/dhelix_trainer.py's (Megatron's; "
+        "see `python scripts/dhelix_trainer.py --help`).",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks on this node (default 1)")

@@ -1,5 +1,6 @@
 """A Megatron-core training loop: GPTModel in Megatron DDP, Megatron's optimizer and
-Megatron's own forward/backward schedule (megatron-core 0.16 ships no `megatron.training`).
+Megatron's own forward/backward schedule (written when megatron-core 0.16 shipped no
+`megatron.training`).
 
 `Trainer` owns the model chunks, the optimizer and the data iterator of one rank. The
 forward/backward function is a field: with `--dhelix` it is the DHelix schedule

@@ -1,7 +1,9 @@
 """Version compatibility for megatron-core: the one place that knows version differences.
 
-Supported range: megatron-core 0.16.x upward. Code elsewhere asks this module instead of
-comparing version strings itself.
+Supported: megatron-core 0.19 (0.19.2 tested; requirements.txt pins it). Older releases are
+refused at start-up: 0.16 and earlier lack `megatron.training` and take other arguments in
+the calls dhelix makes (e.g. `schedules.backward_step`, the checkpoint save strategy). Code
+elsewhere asks this module instead of comparing version strings itself.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from importlib import metadata
 
 from packaging.version import Version
 
-MIN_MEGATRON_CORE = Version("0.16.0")
+MIN_MEGATRON_CORE = Version("0.19.0")
 
 
 def megatron_core_version() -> Version:
@@ -46,9 +48,29 @@ def has_transformer_engine() -> bool:
 def optimizer_state_loadable(optimizer) -> bool:
     """Whether megatron-core can load this optimizer's state from a distributed checkpoint.
 
-    megatron-core 0.16.1 builds SGD without a state initialiser (`init_state_fn is None`),
-    so `sharded_state_dict(is_loading=True)` raises a bare TypeError; callers check this
-    first and ask the user for `--no-load-optim` instead.
+    megatron-core 0.19.2 (as 0.16.1) builds SGD without a state initialiser
+    (`init_state_fn is None`), so `sharded_state_dict(is_loading=True)` raises a bare
+    TypeError; callers check this first and ask the user for `--no-load-optim` instead
+    (tests/test_layout_parity.py holds this).
     """
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return all(getattr(opt, "init_state_fn", None) is not None for opt in inner)
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Make `megatron.core.datasets.utils.compile_helpers` a no-op when the compiled dataset
+    helpers (`megatron.core.datasets.helpers_cpp`) already import.
+
+    Replaces: `compile_helpers`, which `megatron.training.initialize._compile_dependencies`
+    runs on rank 0 at start-up as `make -C .../megatron/core/datasets`. The megatron-core
+    wheel ships the compiled `helpers_cpp` module but no Makefile, so `make` fails and rank 0
+    exits. Returns True when the patch was installed (False: the helpers do not import, and
+    Megatron's own compile step runs as before)."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = lambda: None
+    return True

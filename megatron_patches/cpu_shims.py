@@ -1,4 +1,4 @@
-"""CPU/gloo shims that let megatron-core (0.16.1 tested) build, train and optimise on a
+"""CPU/gloo shims that let megatron-core (0.19.2 tested) build, train and optimise on a
 CPU-only torch.
 
 Applied only when CUDA is unavailable (`apply_cpu_shims` is a no-op otherwise) and at most

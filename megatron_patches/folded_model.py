@@ -200,7 +200,9 @@ class FoldedGPTModel(GPTModel):
     `pre_process` and `post_process` are both True on stage 0 (embedding and output layer
     live there) and both False elsewhere. `seed` is the `--seed` Megatron's stages were
     seeded from: every parameter gets stock Megatron's initial value for it (module
-    docstring).
+    docstring). `rng_prelude`, if given, is what the training loop draws on a stock stage
+    between seeding and building its model (`megatron_patches.stage_rng.pipeline_stage_rng`);
+    it is replayed after each stage seeding.
     """
 
     def __init__(self, config: TransformerConfig, transformer_layer_spec: ModuleSpec,
@@ -208,7 +210,8 @@ class FoldedGPTModel(GPTModel):
                  max_sequence_length: int, *, seed: int,
                  share_embeddings_and_output_weights: bool = True,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, pg_collection: ProcessGroupCollection | None = None):
+                 rotary_base: int = 10000, pg_collection: ProcessGroupCollection | None = None,
+                 rng_prelude=None):
         if (config.num_layers, config.pipeline_model_parallel_size) != (
                 layout.num_layers, layout.pipeline_size):
             raise FoldedModelError(
@@ -225,7 +228,8 @@ class FoldedGPTModel(GPTModel):
         # GPTModel builds an empty decoder here; the folded one replaces it below. The
         # embedding is the first thing stock stage 0 draws; an untied output layer drawn
         # here is redrawn after the last layer (`_stock_stream`).
-        with pipeline_stage_rng(seed, 0):
+        self._rng_prelude = rng_prelude
+        with pipeline_stage_rng(seed, 0, rng_prelude):
             super().__init__(
                 config=config,
                 transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[],
@@ -258,7 +262,7 @@ class FoldedGPTModel(GPTModel):
         if self.layout.stock_position(layers[-1]) != (stage, index + len(layers) - 1):
             raise FoldedModelError(f"layers {layers[0]}..{layers[-1]} are not contiguous on "
                                    "one stock pipeline stage")
-        with pipeline_stage_rng(self._init_seed, stage):
+        with pipeline_stage_rng(self._init_seed, stage, self._rng_prelude):
             if stage == 0:
                 LanguageModelEmbedding(  # GPTModel's first module on stock stage 0
                     config=self.config, vocab_size=self.vocab_size,

@@ -1,9 +1,9 @@
 """GPTModel split at the decoder layers, so a schedule can run the layers itself.
 
 `pre` and `post` call megatron-core's own `GPTModel._preprocess` / `_postprocess` (private
-in 0.16.1, hence here): embedding (with the sequence-parallel scatter), the RoPE table, the
-final norm, the output layer (with the SP gather) and the per-token loss are Megatron's
-code, unchanged. Works on a stock GPTModel (one layer chunk) and on a folded stage
+in megatron-core 0.19.2, hence here): embedding (with the sequence-parallel scatter), the
+RoPE table, the final norm, the output layer (with the SP gather) and the per-token loss are
+Megatron's code, unchanged. Works on a stock GPTModel (one layer chunk) and on a folded stage
 (`megatron_patches.folded_model.FoldedGPTModel`: two chunks, embedding and loss on stage 0). Only the plain training path is supported: no multi-token prediction, no
 packed sequences, no inference context, no virtual pipeline; anything else is refused.
 """

@@ -2,8 +2,8 @@
 
 Replaces nothing in Megatron's files; wraps the `init_state_fn` that megatron-core attaches
 to each optimizer. Why: without Apex or Transformer Engine, `DistributedOptimizer.state_dict`
-(distrib_optimizer.py, megatron-core 0.16.1) reads torch Adam's per-parameter `step`, which
-exists only after a first `step()`. Loading a checkpoint into a fresh optimizer calls
+(distrib_optimizer.py, megatron-core 0.19.2 as 0.16.1) reads torch Adam's per-parameter
+`step`, which exists only after a first `step()`. Loading a checkpoint into a fresh optimizer calls
 `init_state_fn` (which creates exp_avg/exp_avg_sq but no `step`) and then `state_dict()`,
 which fails. The wrapper also creates `step = 0` for parameters that lack it, matching
 torch Adam's own state layout; the loaded checkpoint then overwrites it.
@@ -40,7 +40,7 @@ def ensure_optimizer_state(optimizer) -> None:
     """Create empty per-parameter state (zeros, step 0) in every inner optimizer that has
     none, so a never-stepped optimizer can be saved or loaded. Megatron's float/FP32
     optimizers do this inside `sharded_state_dict(is_loading=True)`; its DistributedOptimizer
-    does not (0.16.1). Adam with zero moments and step 0 updates exactly like a fresh one.
+    does not (0.19.2). Adam with zero moments and step 0 updates exactly like a fresh one.
     Parameters that already have state are left untouched."""
     make_optimizer_state_loadable(optimizer)
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]

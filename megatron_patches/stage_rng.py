@@ -66,13 +66,17 @@ def restore_rng_states(states: dict) -> None:
 
 
 @contextlib.contextmanager
-def pipeline_stage_rng(seed: int, pp_rank: int):
+def pipeline_stage_rng(seed: int, pp_rank: int, prelude=None):
     """Inside: every generator as stock Megatron's pipeline rank `pp_rank` has it right after
-    `seed_pipeline_stage(seed, pp_rank)`, i.e. before that stage builds its model. On exit
-    (also on error) every generator is back in the state it had on entry."""
+    `seed_pipeline_stage(seed, pp_rank)` and then `prelude()` (what the training loop draws
+    between seeding and building the model, e.g. `megatron.training.pretrain`'s JIT warm-up
+    on random tensors), i.e. before that stage builds its model. On exit (also on error)
+    every generator is back in the state it had on entry."""
     saved = capture_rng_states()
     try:
         seed_pipeline_stage(seed, pp_rank)
+        if prelude is not None:
+            prelude()
         yield
     finally:
         restore_rng_states(saved)

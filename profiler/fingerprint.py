@@ -11,6 +11,7 @@ fingerprint records, as a JSON object (the profile's `hardware` section):
               "inter": "<NIC hint>" | "emulated <rate>, <latency>" | "none"},
      "backend": "nccl" | "gloo",
      "versions": {"torch", "cuda", "nccl", "gloo", "megatron-core", "python"}}
+    ("cuda" and "nccl" are "none" when no GPU is in use, also with a CUDA build of torch.)
 
 `MATCH_FIELDS` are the fields that must be equal for a profile to be used on this machine
 (`check_profile_hardware`): the device, how many per node, the links, the backend and the
@@ -116,7 +117,8 @@ def hardware_fingerprint(world_size: int, topology: NodeTopology | None = None,
                    else "nccl" if cuda else "gloo")
     versions = {
         "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
+        # a CUDA build of torch on a machine without a GPU runs on CPU: no CUDA in use
+        "cuda": (torch.version.cuda or "none") if cuda else "none",
         "nccl": _nccl_version(torch) if cuda else "none",
         "gloo": "available" if torch.distributed.is_gloo_available() else "missing",
         "megatron-core": _version("megatron-core"),

@@ -30,7 +30,7 @@ def _truncate(path: Path) -> None:
 
 def _flip_a_recorded_checksum(path: Path) -> None:
     document = json.loads(path.read_text())
-    entry = document["files"]["common.pt"]
+    entry = document["files"]["metadata.json"]
     entry["sha256"] = ("0" if entry["sha256"][0] != "0" else "1") + entry["sha256"][1:]
     path.write_text(json.dumps(document))
 
@@ -43,7 +43,8 @@ DAMAGE = {
     "zeros_in_weight_shard": (lambda d: _overwrite(d / "__1_0.distcp", bytes(256)), True),
     "truncated_weight_shard": (lambda d: _truncate(d / "__1_0.distcp"), True),
     "missing_weight_shard": (lambda d: (d / "__1_0.distcp").unlink(), True),
-    "truncated_common": (lambda d: _truncate(d / "common.pt"), True),
+    # megatron-core 0.19 keeps the common state (iteration, args) in rank 0's first shard
+    "truncated_common_state_shard": (lambda d: _truncate(d / "__0_0.distcp"), True),
     "missing_metadata": (lambda d: (d / ".metadata").unlink(), True),
     "zeros_in_metadata": (lambda d: _overwrite(d / ".metadata", bytes(256)), True),
     "manifest_checksum_edited": (lambda d: _flip_a_recorded_checksum(d / MANIFEST), True),

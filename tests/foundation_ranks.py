@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dhelix.arguments import parse_args
-from dhelix.checkpointing import load_checkpoint, save_checkpoint
+from dhelix.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from dhelix.folding import uses_folded_model
 from dhelix.parallel import (
     ParallelSizes,
@@ -83,7 +83,9 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
     """For each group `{name: {"extra_args": [...], "distopt": bool, "layouts": {name: spec}}}`:
     a reference TP1xPP1 (DP = world) run with the group's options, then each layout
     from the same initial weights and data, and resume checks (`spec["resume"]`) from a
-    checkpoint the reference saved after 2 steps.
+    checkpoint the reference saved after 2 steps. With `group["try_optimizer_load"]` the
+    reference then loads that checkpoint with its optimizer state, recorded under
+    `<group>_optimizer_load`: "loaded" or the CheckpointError's message.
 
     Returns (on every rank) {layout_name: [per-step comparison rows]}.
     """
@@ -99,6 +101,12 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
             ref_steps.append(observed_step(ref, with_grads=not group.get("distopt", False)))
             if k == 1:
                 save_checkpoint(ref, workdir_group / "resume")
+        if group.get("try_optimizer_load"):
+            try:
+                load_checkpoint(ref, workdir_group / "resume")
+                report[f"{group_name}_optimizer_load"] = "loaded"
+            except CheckpointError as exc:
+                report[f"{group_name}_optimizer_load"] = str(exc)
         for name, spec in group["layouts"].items():
             args = tiny_args(tp=spec["tp"], pp=spec["pp"], sp=spec.get("sp", False),
                              distopt=spec.get("distopt", False), extra=extra)

@@ -1,4 +1,4 @@
-"""scripts/pretrain_gpt.py under the real torchrun, launched as a user would, for tests of
+"""scripts/dhelix_trainer.py under the real torchrun, launched as a user would, for tests of
 what happens to a whole job: its own session, and a marker in its environment that every
 process of the job inherits (torchrun puts each rank in a session of its own, so the
 marker, not the session, finds the ranks and anything they start)."""
@@ -17,7 +17,7 @@ import psutil
 from dhelix.cluster.launch import find_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
+SCRIPT = ROOT / "scripts" / "dhelix_trainer.py"
 MARKER = "DHELIX_TEST_JOB_MARKER"
 
 

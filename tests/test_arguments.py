@@ -1,4 +1,4 @@
-"""Bad input to scripts/pretrain_gpt.py: a one-line error naming the argument and the fix,
+"""Bad input to scripts/dhelix_trainer.py: a one-line error naming the argument and the fix,
 exit code 2, before any process group exists (so no hang and nothing written)."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 from dhelix.arguments import ArgumentError, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
+SCRIPT = ROOT / "scripts" / "dhelix_trainer.py"
 
 BAD_INPUTS = [
     # (argv, world size, text the message must contain)

@@ -1,7 +1,8 @@
 """Checkpoint integrity: a save records a SHA-256 of every file it wrote, a load verifies
 the files it reads first and refuses a damaged, truncated or incomplete checkpoint with one
 line naming the file and what to do, loading nothing. Every kind of file is damaged in turn
-(weight shard, optimizer shard, common.pt, .metadata, the manifest itself, a missing file)
+(weight shards, the one holding the common state included, optimizer shard, .metadata, the
+manifest itself, a missing file)
 on a real TP=2 checkpoint; one 2-rank launch."""
 
 import pytest
@@ -39,7 +40,7 @@ REFUSALS = [  # (case, the file the message names, the problem it states)
     ("zeros_in_weight_shard", "__1_0.distcp", "does not match its saved SHA-256"),
     ("truncated_weight_shard", "__1_0.distcp", "were saved (truncated or overwritten)"),
     ("missing_weight_shard", "__1_0.distcp", "is missing"),
-    ("truncated_common", "common.pt", "(truncated or overwritten)"),
+    ("truncated_common_state_shard", "__0_0.distcp", "(truncated or overwritten)"),
     ("missing_metadata", ".metadata", "is missing"),
     ("zeros_in_metadata", ".metadata", "does not match its saved SHA-256"),
     ("manifest_checksum_edited", MANIFEST, "is damaged (its own checksum does not match)"),

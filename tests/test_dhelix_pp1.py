@@ -126,10 +126,10 @@ def test_plan_for_another_layout_is_rejected(plan_file_tp2):
 
 
 def _train_one_rank(cwd: Path, megatron_args: list) -> subprocess.CompletedProcess:
-    """scripts/pretrain_gpt.py as torchrun starts a world of one rank."""
+    """scripts/dhelix_trainer.py as torchrun starts a world of one rank."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "pretrain_gpt.py"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "dhelix_trainer.py"
     return subprocess.run([sys.executable, str(script), *megatron_args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=180)
 

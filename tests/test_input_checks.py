@@ -1,4 +1,4 @@
-"""Value checks of pretrain_gpt.py's arguments (dhelix.input_checks through parse_args):
+"""Value checks of dhelix_trainer.py's arguments (dhelix.input_checks through parse_args):
 every numeric argument has a range and is refused outside it, every path argument is
 checked the way the run will use it, preset values are type-checked; each refusal is one
 line naming the argument, and nothing is created on disk."""

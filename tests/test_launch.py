@@ -3,7 +3,7 @@
 - `dhelix train` (dhelix.launch): the one-line `error: ...` is the last line on stderr and
   the exit code is 2, both for input refused before any process starts and for a clear
   error found by the ranks at run time (after torchrun's failure report); a good run exits 0.
-- plain `torchrun scripts/pretrain_gpt.py`: rank 0 prints the error line once, torchrun's
+- plain `torchrun scripts/dhelix_trainer.py`: rank 0 prints the error line once, torchrun's
   report follows (its root cause repeats the line) and torchrun exits 1, as README says.
 """
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
+SCRIPT = ROOT / "scripts" / "dhelix_trainer.py"
 TINY = ["--preset", "tiny", "--train-iters", "1", "--global-batch-size", "4"]
 
 
@@ -37,7 +37,7 @@ def test_bad_input_is_refused_before_torchrun_starts():
          "--pipeline-model-parallel-size 1; launch a multiple of 2 processes"),
         (["--nproc-per-node", "0"], "error: --nproc-per-node must be >= 1, got 0"),
         (["--nproc-per-node", "2", "--no-such-flag"],
-         "error: unrecognized arguments: --no-such-flag (see pretrain_gpt.py --help)"),
+         "error: unrecognized arguments: --no-such-flag (see dhelix_trainer.py --help)"),
     ]
     for argv, line in cases:
         proc = _dhelix_train(*argv, *TINY, timeout=60)

@@ -58,7 +58,7 @@ class IntraBatchSplitSchedule(DHelixSchedule):
         return self._finish_forward(mb, y, model, config, ctx)
 
     def _backward_alone(self, mb, model, config) -> None:
-        grads = split_halves(self._start_backward(mb, model, config))
+        grads = split_halves(self._start_backward(mb, config))
         for pair in reversed(mb.executions):
             for execution, grad in zip(pair, grads):
                 execution.begin_backward(grad)

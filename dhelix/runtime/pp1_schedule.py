@@ -15,9 +15,9 @@ identically); the embedding, final norm, output layer and loss are megatron-core
 `config.no_sync_func`; `config.finalize_model_grads_func` runs at the end. Gradient
 accumulation into `main_grad` happens in the same micro-batch order (B(1) before B(2) ...).
 
-Requirement on `forward_step_func`: it must return the model's output unchanged together
-with the loss function (as Megatron's pretrain_gpt does); the model is called as
-`model(tokens, position_ids, attention_mask, labels=labels)`. Anything else is refused.
+Requirement on `forward_step_func`: it must call the model as Megatron's pretrain_gpt does
+and return its output unchanged together with the loss function
+(`dhelix.runtime.forward_step_capture`). Anything else is refused.
 """
 
 from __future__ import annotations
@@ -27,52 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
-from megatron.core.utils import get_model_config, get_model_type
+from megatron.core.utils import get_model_config
 
+from dhelix.runtime.forward_step_capture import CapturedStep, capture_forward_step
 from dhelix.runtime.layer_runner import LayerRunner
 from megatron_patches.gpt_parts import GPTParts
-
-
-class ForwardStepError(RuntimeError):
-    """forward_step_func does not follow the pattern the DHelix schedule supports."""
-
-
-class _ModelOutputPlaceholder:
-    """Returned by the capturing model; the real output is computed by the schedule."""
-
-
-@dataclass
-class _CapturedCall:
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: object
-    labels: torch.Tensor
-
-
-class _CapturingModel:
-    """Stands in for the model while `forward_step_func` runs: records the call's
-    arguments and returns a placeholder; attribute access reaches the real model."""
-
-    def __init__(self, model):
-        self._model = model
-        self.calls: list[_CapturedCall] = []
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def __call__(self, input_ids=None, position_ids=None, attention_mask=None, *args,
-                 labels=None, **kwargs):
-        if args or kwargs:
-            raise ForwardStepError(
-                "with --dhelix the model must be called as model(tokens, position_ids, "
-                f"attention_mask, labels=labels); got extra arguments {list(kwargs) or args}")
-        if labels is None:
-            raise ForwardStepError("with --dhelix forward_step_func must pass labels (training)")
-        if attention_mask is not None:
-            raise ForwardStepError("with --dhelix only the implicit causal mask is supported "
-                                   "(pass attention_mask=None)")
-        self.calls.append(_CapturedCall(input_ids, position_ids, attention_mask, labels))
-        return _ModelOutputPlaceholder()
 
 
 @dataclass
@@ -80,8 +39,7 @@ class _MicroBatch:
     """One micro-batch in flight. Owns its layer executions (each frees its activations
     after their last reader) and the autograd graphs of its embedding and loss."""
 
-    call: _CapturedCall
-    loss_func: object
+    call: CapturedStep
     pre: object
     executions: list = field(default_factory=list)
     hidden: torch.Tensor = None       # leaf: input of the final norm (requires grad)
@@ -98,31 +56,23 @@ class DHelixSchedule:
     runner: LayerRunner
 
     def _begin_microbatch(self, forward_step_func, data_iterator, model) -> _MicroBatch:
-        capture = _CapturingModel(model)
-        result = forward_step_func(data_iterator, capture)
-        if not (isinstance(result, tuple) and len(result) == 2
-                and isinstance(result[0], _ModelOutputPlaceholder) and len(capture.calls) == 1):
-            raise ForwardStepError(
-                "with --dhelix forward_step_func must call the model once and return "
-                "(model_output, loss_func) with the output unchanged")
-        call = capture.calls[0]
+        call = capture_forward_step(forward_step_func, data_iterator, model)
         pre = self.parts.pre(call.input_ids, call.position_ids)
-        return _MicroBatch(call=call, loss_func=result[1], pre=pre)
+        return _MicroBatch(call=call, pre=pre)
 
     def _finish_forward(self, mb: _MicroBatch, y: torch.Tensor, model, config, ctx) -> int:
         mb.hidden = y.detach().requires_grad_(True)
         output = self.parts.post(mb.hidden, mb.call.input_ids, mb.call.position_ids,
                                  mb.call.labels, mb.pre)
         mb.output_tensor, num_tokens = mcore_schedules.forward_step_calc_loss(
-            model, output, mb.loss_func, config, None, False, ctx.num_microbatches,
+            model, output, mb.call.loss_func, config, None, False, ctx.num_microbatches,
             ctx.forward_data_store, cp_group_size=1, is_last_stage=True)
         return num_tokens
 
-    def _start_backward(self, mb: _MicroBatch, model, config) -> torch.Tensor:
+    def _start_backward(self, mb: _MicroBatch, config) -> torch.Tensor:
         """Loss backward through the output layer and final norm (Megatron's backward_step,
         with grad scaling); returns the gradient of the last layer's output."""
-        grad = mcore_schedules.backward_step(mb.hidden, mb.output_tensor, None,
-                                             get_model_type(model), config)
+        grad = mcore_schedules.backward_step(mb.hidden, mb.output_tensor, None, config)
         mb.hidden = mb.output_tensor = None
         return grad
 
@@ -140,14 +90,14 @@ class DHelixSchedule:
         return self._finish_forward(mb, y, model, config, ctx)
 
     def _backward_alone(self, mb, model, config) -> None:
-        grad = self._start_backward(mb, model, config)
+        grad = self._start_backward(mb, config)
         grad = self.runner.backward_alone(list(reversed(mb.executions)), grad)
         self._finish_backward(mb, grad)
 
     def _si_block(self, beta, alpha, model, config, ctx) -> int:
         """Forward of `beta` paired layer by layer with the backward of `alpha`: forward
         layer l with backward layer L-1-l."""
-        grad = self._start_backward(alpha, model, config)
+        grad = self._start_backward(alpha, config)
         layers = range(len(self.runner.bound_layers))
         y, beta.executions, grad = self.runner.run_paired(
             layers, beta.pre.decoder_input.detach(), beta.pre.rotary_pos_emb,

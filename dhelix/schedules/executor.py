@@ -101,7 +101,9 @@ class StageExecutor:
 
     passes: the pass engine (`AutogradPasses` or the DHelix runtime's); on the route's last
         hop its forward output is what `loss_func` takes.
-    loss_func(batch, output) -> (loss, info): Megatron's 2-tuple loss convention.
+    loss_func(batch, output) -> (loss, info): Megatron's 2-tuple loss convention; the loss
+        is scaled here (`* cp / m`). With `loss_is_scaled=True` the returned loss is already
+        scaled (e.g. by Megatron's `forward_step_calc_loss`) and used as it is.
     next_batch() -> batch: this rank's next micro-batch (called once per micro-batch, in
         micro-batch order).
     peer_rank(stage) -> global rank of that pipeline stage.
@@ -110,7 +112,8 @@ class StageExecutor:
     def __init__(self, schedule: Schedule, stage: int, *, passes,
                  loss_func: Callable, next_batch: Callable, tensor_shape: tuple,
                  dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int],
-                 grad_scale_func: Callable | None = None, context_parallel_size: int = 1):
+                 grad_scale_func: Callable | None = None, context_parallel_size: int = 1,
+                 loss_is_scaled: bool = False):
         self.schedule = schedule
         self.stage = stage
         self.path = schedule.path
@@ -124,6 +127,7 @@ class StageExecutor:
         self.peer_rank = peer_rank
         self.grad_scale_func = grad_scale_func
         self.cp = context_parallel_size
+        self.loss_is_scaled = loss_is_scaled
         # This rank's last backward hop of a micro-batch; its batch is dropped after it.
         self._final_backward_hop = max(h for h in range(self.path.num_hops)
                                        if self.path.stage(BACKWARD, h) == stage)
@@ -200,7 +204,8 @@ class StageExecutor:
         loss = None
         if p.hop == self.last_hop:
             loss, info = self.loss_func(self._batches[p.microbatch], out)
-            loss = loss * self.cp / self.schedule.num_microbatches
+            if not self.loss_is_scaled:
+                loss = loss * self.cp / self.schedule.num_microbatches
             self.losses.append(info)
             if self.grad_scale_func is not None:
                 loss = self.grad_scale_func(loss)

@@ -72,10 +72,16 @@ def _check_fit(schedule: Schedule, module, num_microbatches: int) -> None:
 def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
                               num_microbatches: int, seq_length: int, micro_batch_size: int,
                               config, passes=None,
-                              loss_func: Callable = gpt_loss_func) -> list:
+                              loss_func: Callable = gpt_loss_func, next_batch=None,
+                              batch_loss: Callable | None = None) -> list:
     """Run `schedule` on this rank's single model chunk (`model` or `[model]`) and finalise
-    the gradients. `passes` is the pass engine (default: `AutogradPasses` over the chunk). Returns the per-micro-batch loss dicts on the rank that computes the loss
-    (first stage for folded, last for linear), [] elsewhere. Collective over all ranks."""
+    the gradients. `passes` is the pass engine (default: `AutogradPasses` over the chunk).
+    Batches are `next(data_iterator)` (dhelix's GPT batch dicts) and the loss
+    `loss_func(batch["loss_mask"], output)` scaled by the executor, unless `next_batch()`
+    and `batch_loss(batch, output) -> (scaled loss, info)` are given (Megatron's forward
+    step and loss scaling: `dhelix.runtime.megatron_training`). Returns the per-micro-batch
+    loss dicts on the rank that computes the loss (first stage for folded, last for linear),
+    [] elsewhere. Collective over all ranks."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise ScheduleMismatch("one model chunk per rank (no virtual pipeline stages)")
@@ -94,8 +100,9 @@ def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
     executor = StageExecutor(
         schedule, parallel_state.get_pipeline_model_parallel_rank(),
         passes=passes if passes is not None else AutogradPasses(chunk_forward(chunk)),
-        loss_func=lambda batch, out: loss_func(batch["loss_mask"], out),
-        next_batch=lambda: next(data_iterator),
+        loss_func=batch_loss or (lambda batch, out: loss_func(batch["loss_mask"], out)),
+        loss_is_scaled=batch_loss is not None,
+        next_batch=next_batch or (lambda: next(data_iterator)),
         tensor_shape=(seq, micro_batch_size, config.hidden_size),
         dtype=config.pipeline_dtype or config.params_dtype,
         device=device,

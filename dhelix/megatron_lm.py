@@ -1,0 +1,63 @@
+"""Run an unmodified Megatron-LM pretrain script with dhelix switched in.
+
+    torchrun --nproc-per-node 4 -m dhelix.megatron_lm scripts/pretrain_gpt.py
+        <Megatron arguments> [--dhelix [--dhelix-plan PLAN | --dhelix-profile PROFILE]]
+
+The script runs as `__main__` (as `python SCRIPT ARGS` would run it, its directory first on
+`sys.path`) after two things are installed in this process:
+
+- on a CPU-only machine, the CPU/gloo shims for megatron-core and `megatron.training`
+  (`megatron_patches.training_shims`);
+- the hooks that add the `--dhelix*` arguments to Megatron's parser and, with `--dhelix`,
+  build the folded model (PP > 1) and hand `train()` and `evaluate()` the DHelix schedule
+  (`megatron_patches.training_hooks`). Without `--dhelix` they change nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import warnings
+
+USAGE = ("usage: python -m dhelix.megatron_lm SCRIPT [Megatron arguments] [--dhelix "
+         "[--dhelix-plan PLAN | --dhelix-profile PROFILE] ...]")
+
+
+def _quiet_known_warnings() -> None:
+    # Chatter from megatron-core/torch internals that users cannot act on (optional
+    # Transformer Engine / Apex imports, deprecations).
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+
+
+def run_script(script: str, args: list[str]) -> None:
+    """Install the shims and hooks, then run `script` with `args` as its `sys.argv[1:]`."""
+    from megatron_patches.training_hooks import install_training_hooks
+    from megatron_patches.training_shims import apply_training_cpu_shims
+
+    apply_training_cpu_shims()
+    install_training_hooks()
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1], file=sys.stderr)
+        return 0 if argv else 2
+    script, *args = argv
+    if not os.path.isfile(script):
+        print(f"error: SCRIPT {script} is not a file; pass a Megatron-LM pretrain script, "
+              "e.g. scripts/pretrain_gpt.py", file=sys.stderr)
+        return 2
+    _quiet_known_warnings()
+    run_script(script, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

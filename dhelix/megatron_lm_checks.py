@@ -1,0 +1,95 @@
+"""Megatron-LM arguments that `--dhelix` cannot honour, checked on the parsed namespace
+before Megatron validates it and before any process group exists
+(`megatron_patches.training_hooks`). Each refusal is one line naming the argument and
+what to do instead."""
+
+from __future__ import annotations
+
+
+class UnsupportedArgument(ValueError):
+    """`--dhelix` cannot run with this Megatron argument; the message names it."""
+
+
+def _arg(args, name, default=None):
+    return getattr(args, name, default)
+
+
+def _refusals(args):
+    """(condition, message) for every argument `--dhelix` refuses, in argument order."""
+    pp = args.pipeline_model_parallel_size
+    yield (_arg(args, "num_layers_per_virtual_pipeline_stage") is not None
+           or _arg(args, "num_virtual_stages_per_pipeline_rank") is not None,
+           "--dhelix does not support virtual pipelining (--num-layers-per-virtual-pipeline-"
+           "stage / --num-virtual-stages-per-pipeline-rank): with PP > 1 it folds the model "
+           "into a U itself; drop the virtual pipeline argument")
+    yield (_arg(args, "pipeline_model_parallel_layout") is not None
+           or _arg(args, "decoder_first_pipeline_num_layers") is not None
+           or _arg(args, "decoder_last_pipeline_num_layers") is not None
+           or _arg(args, "account_for_embedding_in_pipeline_split", False)
+           or _arg(args, "account_for_loss_in_pipeline_split", False),
+           "--dhelix does not support uneven pipeline stages (--pipeline-model-parallel-layout"
+           " / --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers / "
+           "--account-for-*-in-pipeline-split): the folded model splits the layers evenly; "
+           "drop them")
+    yield (_arg(args, "recompute_granularity") is not None,
+           f"--dhelix does not support --recompute-granularity "
+           f"{_arg(args, 'recompute_granularity')}: the operator programs keep their own "
+           "activations; drop --recompute-granularity")
+    yield (_arg(args, "fp16", False),
+           "--dhelix does not support --fp16 (its schedules do no fp16 loss scaling); use "
+           "--bf16 or fp32")
+    yield (_arg(args, "fp8") is not None or _arg(args, "fp4") is not None,
+           "--dhelix does not support --fp8-format / --fp4-format; drop them")
+    yield (_arg(args, "num_experts") is not None,
+           "--dhelix does not support MoE (--num-experts): the operator programs cover dense "
+           "transformer layers; drop --num-experts")
+    yield (_arg(args, "expert_model_parallel_size", 1) > 1,
+           "--dhelix does not support expert parallelism (--expert-model-parallel-size "
+           f"{_arg(args, 'expert_model_parallel_size')}); use 1")
+    yield (_arg(args, "context_parallel_size", 1) > 1
+           or _arg(args, "hybrid_context_parallel", False),
+           "--dhelix does not support context parallelism (--context-parallel-size "
+           f"{_arg(args, 'context_parallel_size')}); use 1")
+    yield (pp > 1 and (_arg(args, "overlap_grad_reduce", False)
+                       or _arg(args, "overlap_param_gather", False)),
+           "--dhelix with --pipeline-model-parallel-size > 1 does not support "
+           "--overlap-grad-reduce / --overlap-param-gather (the W schedule reduces gradients "
+           "after the last backward); drop them")
+    yield (pp > 1 and _arg(args, "calculate_per_token_loss", False),
+           "--dhelix with --pipeline-model-parallel-size > 1 does not support "
+           "--calculate-per-token-loss; drop it")
+    yield (args.hidden_dropout or args.attention_dropout,
+           "--dhelix needs --hidden-dropout 0 --attention-dropout 0 (two interleaved strands "
+           "would draw dropout masks in a different order than Megatron; Megatron's default "
+           "is 0.1)")
+    yield (_arg(args, "mtp_num_layers"),
+           "--dhelix does not support multi-token prediction (--mtp-num-layers); drop it")
+    yield (_arg(args, "use_torch_fsdp2", False) or _arg(args, "use_megatron_fsdp", False),
+           "--dhelix does not support FSDP (--use-torch-fsdp2 / --use-megatron-fsdp); use "
+           "Megatron's DDP, with --use-distributed-optimizer if needed")
+    yield (_arg(args, "tp_comm_overlap", False),
+           "--dhelix does not support --tp-comm-overlap (Transformer Engine's GEMM/"
+           "communication overlap); DHelix overlaps communication itself: drop it")
+    yield (_arg(args, "reset_attention_mask", False),
+           "--dhelix does not support --reset-attention-mask (the DHelix layers apply the "
+           "plain causal mask); drop it")
+    yield (_arg(args, "transformer_impl", "local") == "transformer_engine"
+           and _has_transformer_engine(),
+           "--dhelix runs megatron-core's local layer spec: add --transformer-impl local")
+
+
+def _has_transformer_engine() -> bool:
+    from megatron_patches.compat import has_transformer_engine
+
+    return has_transformer_engine()
+
+
+def check_dhelix_args(args) -> None:
+    """Raise `UnsupportedArgument` for the first Megatron argument `--dhelix` cannot honour
+    (virtual pipelining, uneven pipeline stages, recomputation, fp16/fp8/fp4, MoE/expert
+    parallelism, context parallelism, dropout, multi-token prediction, FSDP, TE's TP
+    overlap, reset attention masks, Transformer Engine layers; with PP > 1 also overlapped
+    gradient reduction and per-token loss); return None when the run is supported."""
+    for refused, message in _refusals(args):
+        if refused:
+            raise UnsupportedArgument(message)

@@ -1,0 +1,246 @@
+"""The hooks that switch DHelix into `megatron.training.pretrain` without forking Megatron
+(installed by `dhelix.megatron_lm`, megatron-core 0.19 tested).
+
+1. Arguments (`megatron.training.arguments.parse_args`, which `parse_and_validate_args` and
+   every pretrain script call): the script's own `extra_args_provider` still runs; the
+   `--dhelix*` arguments (`dhelix.arguments.add_dhelix_runtime_args`) are added after it.
+   Right after parsing, before Megatron validates anything and before any process group
+   exists, `--dhelix` runs are checked (`dhelix.megatron_lm_checks`): an argument the DHelix
+   runtime cannot honour stops the run with one `error: ...` line naming it (exit code 2).
+   On a CPU-only machine the arguments get the CPU adaptations of
+   `megatron_patches.training_shims.cpu_arguments` (gloo, no CUDA kernel fusions).
+2. The folded model (`--dhelix` with PP > 1, see `megatron_patches.folded_model`):
+   Megatron's parallel state gets the folded embedding group (first stage only), and
+   `GPTModelBuilder.build_model` (the model-config path of `pretrain`, Megatron-LM 0.19's
+   pretrain_gpt.py) builds this stage's `FoldedGPTModel` from the same config, layer spec and
+   seed instead of a stock GPTModel stage.
+3. The forward/backward function (`megatron.training.training.get_forward_backward_func`,
+   imported by name and called by `train()` and `evaluate()`): with `--dhelix` it returns
+   the DHelix schedule built for the model `setup_model_and_optimizer` returned
+   (`dhelix.runtime.setup.setup_dhelix`); Megatron's no_sync / grad-sync / param-sync /
+   finalize hooks reach it through the model config, as they reach Megatron's schedules.
+
+Without `--dhelix` every hook hands the call to Megatron unchanged. One fix applies to every
+run: the wheel's prebuilt dataset helpers are used instead of compiling them
+(`megatron_patches.compat.use_prebuilt_dataset_helpers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from dhelix.arguments import add_dhelix_runtime_args
+from megatron_patches.training_shims import cpu_arguments
+
+_INSTALLED = False
+
+
+def _with_dhelix_args(extra_args_provider):
+    def provider(parser):
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        add_dhelix_runtime_args(parser)
+        return parser
+
+    return provider
+
+
+def _hook_parse_args(arguments) -> None:
+    original = arguments.parse_args
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        args = original(_with_dhelix_args(extra_args_provider), ignore_unknown_args)
+        cpu_arguments(args)
+        if args.dhelix:
+            from dhelix.launch import ERROR_EXIT_CODE, report_error
+            from dhelix.megatron_lm_checks import UnsupportedArgument, check_dhelix_args
+
+            try:
+                check_dhelix_args(args)
+            except UnsupportedArgument as exc:
+                report_error(str(exc))
+                sys.exit(ERROR_EXIT_CODE)
+        return args
+
+    arguments.parse_args = parse_args
+
+
+class _Run:
+    """What the hooks learned about this run: the DHelix set-up once the model exists."""
+
+    forward_backward = None
+
+
+def _megatron_args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def _folded(args) -> bool:
+    from dhelix.folding import uses_folded_model
+
+    return uses_folded_model(args)
+
+
+def _fail(message: str):
+    from dhelix.launch import ERROR_EXIT_CODE, report_error
+
+    report_error(message)
+    sys.exit(ERROR_EXIT_CODE)
+
+
+def _hook_parallel_state(parallel_state) -> None:
+    """The folded model keeps both ends of the tied embedding on stage 0: its embedding group
+    is the first stage only (whatever `get_embedding_ranks` the script passes)."""
+    original = parallel_state.initialize_model_parallel
+
+    @functools.wraps(original)
+    def initialize_model_parallel(*args, **kwargs):
+        if _folded(_megatron_args()):
+            from dhelix.parallel import folded_embedding_ranks
+
+            kwargs["get_embedding_ranks"] = folded_embedding_ranks
+        return original(*args, **kwargs)
+
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+
+
+def build_folded_stage(model_config, pg_collection, seed: int):
+    """This rank's `FoldedGPTModel` for a Megatron `GPTModelConfig`: the layer spec, final
+    norm and padded vocabulary `GPTModelBuilder.build_model` would use for a stock stage,
+    and stock Megatron's initial weights for `seed` (`megatron_patches.folded_model`).
+    `pretrain()` draws random tensors for its JIT warm-up between seeding a stage and
+    building its model (`initialize._warmup_jit_function`, called by
+    `set_jit_fusion_options`); each replayed stage stream replays that warm-up too."""
+    from megatron.training import initialize
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.utils import get_pg_rank
+    from megatron.training.models.gpt import default_layer_spec
+
+    from dhelix.folding import FoldedLayout
+    from megatron_patches.folded_model import FoldedGPTModel
+
+    spec = model_config.transformer_layer_spec
+    if spec is None:
+        spec = default_layer_spec(model_config, None)
+    elif not isinstance(spec, ModuleSpec) and callable(spec):
+        spec = spec(model_config)
+    if not isinstance(spec, ModuleSpec):
+        _fail("--dhelix with --pipeline-model-parallel-size > 1 needs one transformer-layer "
+              "spec for every layer; this model has a block spec (MoE, heterogeneous or "
+              "experimental layers)")
+    vocab = model_config.vocab_size
+    if model_config.should_pad_vocab:
+        from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+        vocab = calculate_padded_vocab_size(vocab, model_config.make_vocab_size_divisible_by,
+                                            model_config.transformer.tensor_model_parallel_size)
+    config = model_config.transformer
+    return FoldedGPTModel(
+        config=config, transformer_layer_spec=spec,
+        final_norm=transformer_block.LayerNormImpl,
+        layout=FoldedLayout(config.num_layers, config.pipeline_model_parallel_size),
+        stage=get_pg_rank(pg_collection.pp), vocab_size=vocab,
+        max_sequence_length=model_config.seq_length, seed=seed,
+        share_embeddings_and_output_weights=model_config.share_embeddings_and_output_weights,
+        position_embedding_type=model_config.position_embedding_type,
+        rotary_percent=model_config.rotary_percent, rotary_base=model_config.rotary_base,
+        pg_collection=pg_collection,
+        rng_prelude=functools.partial(initialize._warmup_jit_function,
+                                      tp_size=config.tensor_model_parallel_size))
+
+
+def _hook_model_builder(gpt_models) -> None:
+    original = gpt_models.GPTModelBuilder.build_model
+
+    @functools.wraps(original)
+    def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+        args = _megatron_args()
+        if not _folded(args):
+            return original(self, pg_collection, pre_process, post_process, vp_stage)
+        return build_folded_stage(self._model_config, pg_collection, args.seed)
+
+    gpt_models.GPTModelBuilder.build_model = build_model
+
+
+def _dhelix_view(args):
+    """Megatron's args as `dhelix.runtime.setup` (and the plan fingerprints,
+    `dhelix.run_fingerprint`) read them: plus the number of micro-batches, which Megatron
+    keeps elsewhere, `disable_bias_linear` (Megatron stores `add_bias_linear`), and the
+    query-group count resolved as with dhelix's own arguments (heads without GQA)."""
+    import types
+
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    view = types.SimpleNamespace(**vars(args))
+    view.num_microbatches = get_num_microbatches()
+    view.disable_bias_linear = not args.add_bias_linear
+    if not args.group_query_attention or view.num_query_groups is None:
+        view.num_query_groups = args.num_attention_heads
+    return view
+
+
+def _hook_training(training) -> None:
+    setup_model_and_optimizer = training.setup_model_and_optimizer
+    get_forward_backward_func = training.get_forward_backward_func
+
+    @functools.wraps(setup_model_and_optimizer)
+    def setup(*args, **kwargs):
+        _Run.forward_backward = None  # a new pretrain() in this process starts afresh
+        model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
+        megatron_args = _megatron_args()
+        if megatron_args.dhelix:
+            from dhelix.file_formats import FormatError
+            from dhelix.runtime.megatron_training import megatron_forward_backward
+            from dhelix.runtime.setup import DHelixSetupError, setup_dhelix
+            from megatron_patches.folded_model import FoldedGPTModel
+            from megatron_patches.gpt_parts import unwrap_gpt
+
+            if _folded(megatron_args) and not isinstance(unwrap_gpt(model[0]), FoldedGPTModel):
+                _fail("--dhelix with --pipeline-model-parallel-size > 1 builds the folded "
+                      "model from the GPTModelConfig given to pretrain() (as Megatron-LM's "
+                      "pretrain_gpt.py does); this script built its model another way (a "
+                      "model_provider)")
+            try:
+                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model)
+            except (DHelixSetupError, FormatError) as exc:
+                _fail(str(exc))
+            _Run.forward_backward = megatron_forward_backward(dhelix_setup, megatron_args)
+            if megatron_args.rank == 0:
+                schedule = ("W-shaped schedule over the folded model" if _folded(megatron_args)
+                            else "SI schedule")
+                print(f"dhelix: {schedule}, {dhelix_setup.describe()}", flush=True)
+        return model, optimizer, scheduler
+
+    @functools.wraps(get_forward_backward_func)
+    def forward_backward_func(*args, **kwargs):
+        if _Run.forward_backward is not None:
+            return _Run.forward_backward
+        return get_forward_backward_func(*args, **kwargs)
+
+    training.setup_model_and_optimizer = setup
+    training.get_forward_backward_func = forward_backward_func
+
+
+def install_training_hooks() -> None:
+    """Install the hooks above into megatron.training (idempotent). Must run before the
+    pretrain script imports `megatron.training` names it calls (run the script after)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from megatron.core import parallel_state
+    from megatron.training import arguments, training
+    from megatron.training.models import gpt as gpt_models
+
+    from megatron_patches.compat import use_prebuilt_dataset_helpers
+
+    use_prebuilt_dataset_helpers()
+    _hook_parse_args(arguments)
+    _hook_parallel_state(parallel_state)
+    _hook_model_builder(gpt_models)
+    _hook_training(training)
+    _INSTALLED = True

@@ -1,0 +1,214 @@
+"""Rank bodies for the tests of the Megatron-LM plugin (`dhelix.megatron_lm`): each runs
+`scripts/pretrain_gpt.py` through `megatron.training.pretrain` in this rank's process, one
+run after another in the same job (Megatron's global state is torn down between runs), and
+records what the real training loop did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "scripts" / "pretrain_gpt.py")
+# The tiny preset (configs/tiny.json) as Megatron arguments, dropout off (--dhelix needs it).
+TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "1024",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-4", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0", "--attention-dropout",
+        "0", "--transformer-impl", "local", "--log-interval", "1", "--eval-interval", "1000",
+        "--eval-iters", "0", "--num-workers", "0"]
+
+
+class _Recorder:
+    """Per training step of the current run: the full parameters before the step, the full
+    gradients after the schedule (both layout-independent, `dhelix.parity`), and the global
+    batch's mean token loss (only rank 0 keeps them); and the layer pairs this rank
+    co-executed (`LayerRunner.run_paired`: the DHelix SI path really ran)."""
+
+    steps: list = []
+    pairs: int = 0
+
+
+def _counting_pairs(run_paired):
+    def counted(self, fwd_layers, *args, **kwargs):
+        _Recorder.pairs += len(fwd_layers)
+        return run_paired(self, fwd_layers, *args, **kwargs)
+
+    counted._dhelix_test_counter = True
+    return counted
+
+
+def _global_loss(losses: list) -> float:
+    """Token-weighted mean of the 'lm loss' reports of every rank (TP copies cancel out)."""
+    total = [0.0, 0.0]
+    for report in losses:
+        value = report["lm loss"].double().view(-1)
+        total[0] += float(value[0])
+        total[1] += float(value[1])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, total)
+    return sum(t[0] for t in everyone) / sum(t[1] for t in everyone)
+
+
+def _recording(get_forward_backward_func):
+    from dhelix.parity import gather_full_tensors
+
+    def get(*args, **kwargs):
+        forward_backward = get_forward_backward_func(*args, **kwargs)
+
+        def recorded(**step):
+            if step.get("forward_only"):
+                return forward_backward(**step)
+            params = gather_full_tensors(step["model"], "param")
+            losses = forward_backward(**step)
+            grads = gather_full_tensors(step["model"], "grad")
+            loss = _global_loss(losses)
+            if dist.get_rank() == 0:
+                _Recorder.steps.append({"params": params, "grads": grads, "loss": loss})
+            return losses
+
+        return recorded
+
+    return get
+
+
+def install_recorder() -> None:
+    """Wrap the forward/backward function `train()` gets (after the plugin's hook), once."""
+    from megatron.training import training
+
+    from megatron_patches.training_hooks import install_training_hooks
+    from megatron_patches.training_shims import apply_training_cpu_shims
+
+    apply_training_cpu_shims()
+    install_training_hooks()
+    from dhelix.runtime.layer_runner import LayerRunner
+
+    if not getattr(LayerRunner.run_paired, "_dhelix_test_counter", False):
+        LayerRunner.run_paired = _counting_pairs(LayerRunner.run_paired)
+    if not getattr(training.get_forward_backward_func, "_dhelix_test_recorder", False):
+        training.get_forward_backward_func = _recording(training.get_forward_backward_func)
+        training.get_forward_backward_func._dhelix_test_recorder = True
+
+
+def pretrain_in_process(argv: list[str]) -> list:
+    """Run scripts/pretrain_gpt.py ARGV under the plugin in this process and return the
+    recorded steps (rank 0; [] elsewhere; `_Recorder.pairs` counts this run's co-executed
+    layer pairs); Megatron's global state is torn down after."""
+    from megatron.training.training import destroy_global_state
+
+    from dhelix.megatron_lm import run_script
+
+    install_recorder()
+    _Recorder.steps, _Recorder.pairs = [], 0
+    try:
+        run_script(SCRIPT, list(argv))
+    finally:
+        destroy_global_state()
+    return _Recorder.steps
+
+
+def compare_runs(stock: list, dhelix: list) -> dict:
+    """Per step: loss, |loss diff|, max |grad diff| and max |param diff| (before the step)
+    with the keys where they occur."""
+    from dhelix.parity import max_abs_diff
+
+    rows = []
+    for a, b in zip(stock, dhelix):
+        grad_diff, grad_key = max_abs_diff(a["grads"], b["grads"])
+        param_diff, param_key = max_abs_diff(a["params"], b["params"])
+        rows.append({"loss": a["loss"], "loss_diff": abs(a["loss"] - b["loss"]),
+                     "grad_diff": grad_diff, "grad_key": grad_key, "param_diff": param_diff,
+                     "param_key": param_key, "params": len(a["grads"])})
+    return {"steps": (len(stock), len(dhelix)), "rows": rows}
+
+
+def parity_body(ctx, cases: dict, train_iters: int) -> dict:
+    """For each case NAME -> extra Megatron arguments: train stock Megatron, then the same
+    command line with --dhelix, and compare them step by step (rank 0 returns the report)."""
+    report = {}
+    for name, extra in cases.items():
+        argv = TINY + ["--train-iters", str(train_iters)] + list(extra)
+        stock = pretrain_in_process(argv)
+        dhelix = pretrain_in_process(argv + ["--dhelix"])
+        pairs = [None] * dist.get_world_size()
+        dist.all_gather_object(pairs, _Recorder.pairs)
+        if ctx.rank == 0:
+            report[name] = {**compare_runs(stock, dhelix), "pairs": pairs}
+    return report
+
+
+# ------------------------------------------------------------------ data and checkpoints
+BYTE_VOCAB = 257  # 256 byte ids and the end-of-document id NullTokenizer uses (vocab - 1)
+
+
+def write_indexed_corpus(prefix: Path, documents: int = 200) -> str:
+    """A small text corpus turned into a Megatron indexed dataset (PREFIX.bin/.idx) with
+    megatron-core's own tools: its byte-level tokenizer and `IndexedDatasetBuilder`, each
+    document ended by the end-of-document id of `--tokenizer-type NullTokenizer
+    --vocab-size 257`. Returns the `--data-path` prefix."""
+    import random
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteLevelTokenizer
+
+    words = ("the pipeline folds the model into a u so that forward and backward strands meet "
+             "on every stage while one micro batch computes another communicates").split()
+    rng = random.Random(0)
+    tokenizer = ByteLevelTokenizer()
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for _ in range(documents):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "."
+        ids = tokenizer.text_to_ids(text) + [BYTE_VOCAB - 1]
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _run_to_exit(argv: list[str]) -> list:
+    """`pretrain_in_process`, where Megatron's `sys.exit(0)` at `--exit-interval` is the
+    normal end of the run."""
+    try:
+        return pretrain_in_process(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+        return list(_Recorder.steps)
+
+
+def data_and_checkpoint_body(ctx, workdir: str, data_prefix: str, layout: list) -> dict:
+    """On `layout` (Megatron parallel arguments), returns on rank 0:
+
+    - "data": per step (loss, |loss diff|) of stock vs --dhelix on the indexed corpus
+      (`--data-path`, NullTokenizer), 2 steps each;
+    - "chain": the losses of one uninterrupted stock run of 6 steps, and of the same run
+      done in three pieces through Megatron's --save/--load: stock to step 2 (saved),
+      --dhelix from that checkpoint to step 4 (saved), stock from the --dhelix checkpoint to
+      step 6, and the parameter differences at each hand-over."""
+    from dhelix.parity import max_abs_diff
+
+    data = TINY + layout + ["--data-path", data_prefix, "--vocab-size", str(BYTE_VOCAB),
+                            "--split", "98,2,0", "--train-iters", "2"]
+    data = [a for a in data if a != "--mock-data"]
+    stock = pretrain_in_process(data)
+    dhelix = pretrain_in_process(data + ["--dhelix"])
+    base = TINY + layout + ["--train-iters", "6", "--lr-decay-style", "constant"]
+    stock_dir, dhelix_dir = f"{workdir}/ckpt_stock", f"{workdir}/ckpt_dhelix"
+    reference = pretrain_in_process(base)
+    first = _run_to_exit(base + ["--save", stock_dir, "--save-interval", "2", "--exit-interval",
+                                 "2"])
+    second = _run_to_exit(base + ["--load", stock_dir, "--save", dhelix_dir, "--save-interval",
+                                  "2", "--exit-interval", "4", "--dhelix"])
+    third = pretrain_in_process(base + ["--load", dhelix_dir])
+    if ctx.rank != 0:
+        return {}
+    pieces = first + second + third
+    return {
+        "data": [(a["loss"], abs(a["loss"] - b["loss"])) for a, b in zip(stock, dhelix)],
+        "data_steps": (len(stock), len(dhelix)),
+        "reference": [s["loss"] for s in reference],
+        "chain": [s["loss"] for s in pieces],
+        "handover_param_diff": [max_abs_diff(reference[i]["params"], pieces[i]["params"])[0]
+                                for i in (2, 4)],
+    }

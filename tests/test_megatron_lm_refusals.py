@@ -1,0 +1,78 @@
+"""`--dhelix` with a Megatron argument the DHelix runtime cannot honour stops in the
+argument hook (`megatron_patches.training_hooks`), before Megatron validates anything and
+before any process group exists, with one `error: ...` line naming the argument (exit
+code 2). The same command lines without `--dhelix` parse. One real launch checks what the
+user sees: the last stderr line and the exit code, with no rank started."""
+
+import contextlib
+import io
+import subprocess
+import sys
+
+import pytest
+
+from tests.megatron_lm_ranks import ROOT, SCRIPT, TINY
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+REFUSED = {
+    "virtual pipeline": (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],
+                         "--num-layers-per-virtual-pipeline-stage"),
+    "uneven stages": (PP2 + ["--decoder-first-pipeline-num-layers", "1"],
+                      "--decoder-first-pipeline-num-layers"),
+    "recomputation": (["--recompute-granularity", "full"], "--recompute-granularity full"),
+    "fp16": (["--fp16"], "--fp16"),
+    "moe": (["--num-experts", "2"], "--num-experts"),
+    "expert parallel": (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+    "context parallel": (["--context-parallel-size", "2"], "--context-parallel-size"),
+    "dropout": (["--hidden-dropout", "0.1"], "--hidden-dropout 0"),  # the last value wins
+    "overlap grad reduce with PP": (PP2 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+    "reset attention mask": (["--reset-attention-mask"], "--reset-attention-mask"),
+}
+
+
+def _parse(argv):
+    """Megatron's parse_args with the plugin's hook, in this process: (exit code or None,
+    stderr)."""
+    from megatron.training import arguments
+
+    from megatron_patches.training_hooks import install_training_hooks
+
+    install_training_hooks()
+    stderr = io.StringIO()
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py", *argv]
+    try:
+        with contextlib.redirect_stderr(stderr):
+            arguments.parse_args()
+        return None, stderr.getvalue()
+    except SystemExit as exc:
+        return exc.code, stderr.getvalue()
+    finally:
+        sys.argv = saved
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_dhelix_refuses_before_any_process_group(name, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    extra, named = REFUSED[name]
+    argv = TINY + ["--train-iters", "1"] + extra
+    code, err = _parse(argv + ["--dhelix"])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: --dhelix") and named in lines[0], lines[0]
+    assert not dist.is_initialized()
+    assert _parse(argv)[0] is None  # without --dhelix Megatron takes it
+
+
+def test_refusal_through_the_launcher():
+    proc = subprocess.run(
+        [sys.executable, "-m", "dhelix.megatron_lm", SCRIPT, *TINY, "--train-iters", "1",
+         "--recompute-granularity", "full", "--dhelix"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --dhelix does not support --recompute-granularity full")
+    assert "initializing torch distributed" not in proc.stdout
