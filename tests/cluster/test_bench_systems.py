@@ -1,8 +1,10 @@
 """The side-by-side benchmark end to end on the emulated cluster (needs root, ip, tc; skipped
-otherwise): a tiny case of the documented command for configurations (a) and (c) writes the
-JSON, markdown and PNG with every system and configuration requested, finite numbers for
-every system that ran, "n/a" with its reason for the one that cannot run with PP=2 (the
-Domino-style split), and leaves no namespace, /etc/netns entry or host qdisc behind."""
+otherwise): a tiny case of the documented command for configuration (a) writes the JSON,
+markdown and PNG with every system, finite numbers for each, and leaves no namespace,
+/etc/netns entry or host qdisc behind. (Which systems run with PP=2, and the "n/a" rows, are
+checked without a cluster in tests/test_bench_parts.py; the W schedule every PP=2 system
+runs, by the parity tests. Configuration (c) was launched here too until the suite neared
+15 minutes on Python 3.12.)"""
 
 from __future__ import annotations
 
@@ -29,11 +31,11 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
     before_ns, before_host = _namespaces(), host_network_state()
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_systems.py"), "--quick",
-         "--configs", "a,c", "--out", str(tmp_path)],
+         "--configs", "a", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [c["config"]["name"] for c in results["configs"]] == ["a", "c"]
+    assert [c["config"]["name"] for c in results["configs"]] == ["a"]
     for entry in results["configs"]:
         assert entry["cleanup"].startswith("verified"), entry["cleanup"]
         rows = {row["system"]: row for row in entry["summary"]["rows"]}
@@ -57,10 +59,8 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
         timeline = a[name]["timeline"]
         assert timeline["compute"] > 0 and timeline["issue"] > 0, (name, timeline)
         assert timeline["recorded"] <= timeline["step_s"]
-    c = {row["system"]: row for row in results["configs"][1]["summary"]["rows"]}
-    assert c["dhelix"]["unavailable"] is None and "without pipelining" in c["domino"]["unavailable"]
     text = (tmp_path / "results.md").read_text()
-    assert "## (a)" in text and "## (c)" in text and "n/a (--dhelix-pairer domino" in text
+    assert "## (a)" in text and "CPU work per rank" in text
     assert (tmp_path / "results.png").stat().st_size > 10_000
     # nothing of ours left: no new namespace (other runs may start their own meanwhile,
     # so only names carrying this benchmark's launcher pids count), no host qdisc change
