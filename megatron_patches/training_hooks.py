@@ -33,8 +33,6 @@ import sys
 from dhelix.arguments import add_dhelix_runtime_args
 from megatron_patches.training_shims import cpu_arguments
 
-_INSTALLED = False
-
 
 def _with_dhelix_args(extra_args_provider):
     def provider(parser):
@@ -64,6 +62,7 @@ def _hook_parse_args(arguments) -> None:
                 sys.exit(ERROR_EXIT_CODE)
         return args
 
+    parse_args.__dhelix_original__ = original  # read by `install_training_hooks`
     arguments.parse_args = parse_args
 
 
@@ -229,18 +228,19 @@ def _hook_training(training) -> None:
 def install_training_hooks() -> None:
     """Install the hooks above into megatron.training (idempotent). Must run before the
     pretrain script imports `megatron.training` names it calls (run the script after)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
     from megatron.core import parallel_state
     from megatron.training import arguments, training
     from megatron.training.models import gpt as gpt_models
 
+    # installed once the last hook, the parser's, is (read off the patch, as
+    # `cpu_shims_active` does)
+    if hasattr(arguments.parse_args, "__dhelix_original__"):
+        return
+
     from megatron_patches.compat import use_prebuilt_dataset_helpers
 
     use_prebuilt_dataset_helpers()
-    _hook_parse_args(arguments)
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
     _hook_training(training)
-    _INSTALLED = True
+    _hook_parse_args(arguments)

@@ -48,7 +48,6 @@ import threading
 import torch
 
 _LOCK = threading.Lock()
-_APPLIED = False
 
 
 _CUDA_FUSIONS = ("gradient_accumulation_fusion", "bias_gelu_fusion",
@@ -81,6 +80,7 @@ def _allow_no_cuda(initialize_megatron):
         kwargs["allow_no_cuda"] = True
         return initialize_megatron(*args, **kwargs)
 
+    wrapper.__dhelix_original__ = initialize_megatron  # read by `apply_training_cpu_shims`
     return wrapper
 
 
@@ -129,19 +129,18 @@ def apply_training_cpu_shims() -> bool:
     """Install the megatron-core CPU shims and the `megatron.training` ones above when CUDA is
     unavailable; True when they are (now) active, False on a CUDA machine (nothing changed).
     Must run before `megatron.training.pretrain` is called."""
-    global _APPLIED
     from megatron_patches.cpu_shims import apply_cpu_shims
 
     if not apply_cpu_shims():
         return False
     with _LOCK:
-        if _APPLIED:
-            return True
         from megatron.training import training
 
-        training.initialize_megatron = _allow_no_cuda(training.initialize_megatron)
+        # installed when the last shim is (read off the patch, as `cpu_shims_active` does)
+        if hasattr(training.initialize_megatron, "__dhelix_original__"):
+            return True
         _patch_memory_reporting()
         _patch_device_queries()
         _patch_local_norm()
-        _APPLIED = True
+        training.initialize_megatron = _allow_no_cuda(training.initialize_megatron)
         return True
