@@ -41,11 +41,15 @@ QUICK_MODEL = ["--preset", "tiny", "--num-layers", "4", "--global-batch-size", "
 
 
 def per_config(values: list, option: str, configs: list) -> dict:
-    """`VALUE` (every configuration) or `CONFIG=VALUE` entries -> {config: value or None}."""
+    """`VALUE` (every configuration) or `CONFIG=VALUE` entries -> {config: value or None}.
+    `CONFIG` is any known configuration name (a, a2, b, c); a value whose text before the
+    first `=` is not one (a path containing `=`) applies to every configuration."""
+    from dhelix.bench.systems import CONFIGS
+
     chosen = {name: None for name in configs}
     for value in values or []:
         name, sep, rest = value.partition("=")
-        if sep and len(name) == 1:
+        if sep and name in CONFIGS:
             if name not in chosen:
                 raise SystemExit(f"error: {option} {value}: configuration {name!r} is not "
                                  f"benchmarked (--configs {','.join(configs)})")

@@ -41,6 +41,11 @@ def test_per_config_values():
     assert per_config(None, "--bandwidth", ["a"]) == {"a": None}
     with pytest.raises(SystemExit, match="not benchmarked"):
         per_config(["c=1mbit"], "--bandwidth", ["a"])
+    # two-letter configuration names, and paths with "=" in them
+    assert per_config(["a2=/p/a2.json", "/q=r/all.json"], "--dhelix-profile", ["a", "a2"]) == {
+        "a": "/q=r/all.json", "a2": "/p/a2.json"}
+    with pytest.raises(SystemExit, match="not benchmarked"):
+        per_config(["a2=400mbit"], "--bandwidth", ["a"])
 
 
 def _raw():
