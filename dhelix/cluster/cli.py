@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dhelix.cluster.comm_priority import POLICIES
+
 DEFAULT_BANDWIDTH = "800mbit"
 DEFAULT_LATENCY = "0ms"
 DEFAULT_TIMEOUT_S = 3600.0
@@ -42,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="OMP_NUM_THREADS for every rank unless already set (default: "
                         "host cores / total ranks, at least 1)")
+    parser.add_argument("--comm-priority", choices=POLICIES, default="fifo",
+                        help="scheduling of the ranks' gloo threads: fifo (default) raises "
+                        "them to real-time priority as they appear, so communication "
+                        "progresses while the cores compute, as a NIC's would; normal "
+                        "leaves them to the fair scheduler (see docs/emulated_cluster.md)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping nodes (default 5)")
     parser.add_argument("--torchrun", default=None,
@@ -79,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                 nodes=args.nodes, ranks_per_node=args.ranks_per_node, shape=shape,
                 command=command, torchrun=find_torchrun(args.torchrun),
                 master_port=args.master_port, timeout_s=args.timeout or None,
-                threads_per_rank=args.threads_per_rank, grace_s=args.grace)
+                threads_per_rank=args.threads_per_rank, grace_s=args.grace,
+                comm_priority=args.comm_priority)
     except (ValueError, ClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -29,12 +29,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dhelix.cluster.comm_priority import POLICIES, CommThreadPriority
 from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.naming import NODE_IFNAME, RunNames
 from dhelix.cluster.output import LinePump
 
 TIMEOUT_EXIT_CODE = 124
 POLL_S = 0.05
+PRIORITY_SCAN_S = 0.25  # how often new communication threads are looked for
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -106,7 +108,11 @@ class NodeGroup:
     """The torchrun processes of one run, one per node namespace (see module docstring)."""
 
     def __init__(self, host: Host, names: RunNames, job: NodeJob, grace_s: float = 5.0,
-                 log=None):
+                 log=None, comm_priority: str = "fifo"):
+        if comm_priority not in POLICIES:
+            raise ValueError(f"comm_priority must be 'fifo' or 'normal', got {comm_priority!r}")
+        self.comm_priority = comm_priority
+        self.priority: CommThreadPriority | None = None
         self.host = host
         self.names = names
         self.job = job
@@ -129,12 +135,19 @@ class NodeGroup:
                 pump = LinePump(source, sink, f"[n{node}] ")
                 pump.start()
                 self.pumps.append(pump)
+        if self.comm_priority == "fifo":
+            self.priority = CommThreadPriority([proc.pid for proc in self.procs])
 
     def wait(self, timeout_s: float | None) -> int:
         """Block until all nodes succeeded (0), one failed (its code) or time ran out (124).
-        Does not stop the remaining nodes: call `stop()` (the runner always does)."""
+        Does not stop the remaining nodes: call `stop()` (the runner always does). Meanwhile
+        raises new communication threads every PRIORITY_SCAN_S (`comm_priority` "fifo")."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        next_scan = time.monotonic()
         while True:
+            if self.priority is not None and time.monotonic() >= next_scan:
+                self.priority.scan()
+                next_scan = time.monotonic() + PRIORITY_SCAN_S
             codes = [proc.poll() for proc in self.procs]
             for node, code in enumerate(codes):
                 if code not in (None, 0):

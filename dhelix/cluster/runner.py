@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from dhelix.cluster.comm_priority import POLICIES
 from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.launch import NodeGroup, NodeJob
 from dhelix.cluster.naming import MAX_NODES, RunNames
@@ -38,6 +39,7 @@ class ClusterConfig:
     threads_per_rank: int | None = None
     grace_s: float = 5.0
     extra_env: dict = field(default_factory=dict)
+    comm_priority: str = "fifo"  # or "normal" (dhelix.cluster.comm_priority)
 
     def __post_init__(self):
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -47,6 +49,8 @@ class ClusterConfig:
             raise ValueError(f"at most {MAX_NODES} nodes, got {self.nodes}")
         if not self.command:
             raise ValueError("nothing to run: give the command after --")
+        if self.comm_priority not in POLICIES:
+            raise ValueError(f"comm priority must be fifo or normal, got {self.comm_priority!r}")
         if not 1 <= self.master_port <= 65535:
             raise ValueError(f"master port {self.master_port} outside 1..65535")
 
@@ -64,14 +68,19 @@ def run_cluster(config: ClusterConfig, host: Host | None = None,
     job = NodeJob(config.command, config.ranks_per_node, config.nodes, config.torchrun,
                   config.master_port, config.threads_per_rank,
                   {**config.extra_env, "DHELIX_CLUSTER_LINK": config.shape.describe()})
-    nodes = NodeGroup(host, names, job, grace_s=config.grace_s, log=_log)
+    nodes = NodeGroup(host, names, job, grace_s=config.grace_s, log=_log,
+                      comm_priority=config.comm_priority)
     with SignalGuard() as guard:
         try:
             network.up()
             _log(f"{names.run_id}: {config.nodes} nodes x {config.ranks_per_node} ranks, "
                  f"cross-node links {config.shape.describe()}")
             nodes.start()
-            return nodes.wait(config.timeout_s)
+            code = nodes.wait(config.timeout_s)
+            if nodes.priority is not None and nodes.priority.failures:
+                _log(f"{nodes.priority.failures} communication thread(s) could not be raised "
+                     "to SCHED_FIFO (refused: needs root or CAP_SYS_NICE)")
+            return code
         except Interrupted as exc:
             _log(f"{exc}; stopping the nodes")
             return exc.exit_code

@@ -1,6 +1,7 @@
 """Rank program for tests/cluster/test_launcher.py (runs under torchrun on the emulated
 cluster): checks the topology environment, an all_reduce, times a transfer inside a node
-and one across nodes, and a small round trip across nodes. Local rank 0 of every node also reports its interface and
+and one across nodes, and a small round trip across nodes, and the scheduling policy of its gloo threads and of its
+main thread. Local rank 0 of every node also reports its interface and
 qdiscs as seen from inside its namespace. Prints one `PROBE {json}` line per rank."""
 
 import json
@@ -61,6 +62,26 @@ def round_trip_s(peer_a: int, peer_b: int, rank: int) -> float | None:
     return best if rank == peer_a else None
 
 
+def thread_policies(wait_s: float = 5.0) -> dict:
+    """{"comm": set of the gloo threads' policies, "main": this thread's policy}, read once
+    every gloo thread is SCHED_FIFO (the launcher raises them every 0.25 s) or after
+    `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        comm = set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+                if name.startswith(("gloo", "pt_gloo")):
+                    comm.add(os.sched_getscheduler(int(tid)))
+            except OSError:
+                continue
+        if comm == {os.SCHED_FIFO} or time.monotonic() > deadline:
+            return {"comm": sorted(comm), "main": os.sched_getscheduler(0),
+                    "fifo": os.SCHED_FIFO, "other": os.SCHED_OTHER}
+        time.sleep(0.1)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,6 +95,7 @@ def main() -> None:
         "num_nodes": int(os.environ["DHELIX_NUM_NODES"]), "ranks_per_node": per_node,
         "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
         "master_addr": os.environ["MASTER_ADDR"], "all_reduce": total.item(),
+        "policies": thread_policies(),
     }
     if world > per_node >= 2:
         record["intra_s"] = transfer_s(0, 1, rank)

@@ -59,6 +59,10 @@ def test_two_nodes_two_ranks_topology_shaping_and_cleanup():
         assert record["node_rank"] == record["group_rank"] == node
         assert record["local_rank"] == record["rank"] % 2
         assert record["gloo_ifname"] == "eth0" and record["master_addr"] == "10.77.0.1"
+        # the launcher raised the gloo threads (the emulated NIC), not the computing thread
+        policies = record["policies"]
+        assert policies["comm"] == [policies["fifo"]], policies
+        assert policies["main"] == policies["other"], policies
     # Every node's output is prefixed with its node; ranks report where they ran.
     assert any(line.startswith("[n0] PROBE ") for line in result.stdout.splitlines())
     assert any(line.startswith("[n1] PROBE ") for line in result.stdout.splitlines())

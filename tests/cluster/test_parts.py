@@ -1,6 +1,8 @@
-"""The emulated cluster's parts without a network (no root needed): option parsing, names,
-the tc commands, per-namespace files, the refusals, torchrun's command line and
-environment, exit codes, signal handling, stale detection and the overlap summary."""
+"""The emulated cluster's parts without a network (no root needed, but for raising a real
+process's threads to real-time priority): option parsing, names, the tc commands,
+per-namespace files, the refusals, torchrun's command line and environment, exit codes,
+signal handling, stale detection, the overlap summary and the communication threads'
+priority."""
 
 from __future__ import annotations
 
@@ -154,6 +156,8 @@ def test_cluster_config_validates():
                                      (2, 1, [])]:
         with pytest.raises(ValueError):
             ClusterConfig(nodes, per_node, shape, command, torchrun="torchrun")
+    with pytest.raises(ValueError, match="comm priority"):
+        ClusterConfig(2, 1, shape, ["x"], torchrun="torchrun", comm_priority="high")
 
 
 def test_torchrun_command_line_and_rank_environment():
@@ -236,3 +240,46 @@ def test_line_pump_prefixes_whole_lines_into_text_or_binary_sinks():
         text = (sink.getvalue() if isinstance(sink, io.StringIO)
                 else sink.buffer.getvalue().decode(errors="replace"))
         assert text == "[n1] one\n[n1] two \ufffd\n[n1] last\n"
+
+
+_GLOO_CHILD = """
+import sys, time, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs root")
+def test_comm_threads_of_descendants_get_fifo_and_nothing_else_does():
+    """A real grandchild with a gloo process group: its gloo threads, and only those, become
+    SCHED_FIFO; a second scan finds nothing new; the test process is left alone."""
+    import subprocess
+    import sys as _sys
+
+    from dhelix.cluster.comm_priority import CommThreadPriority, descendants
+
+    # a shell in between, as `ip netns exec` + torchrun put the ranks below the node process
+    parent = subprocess.Popen(["sh", "-c", f'exec "$0" -c \'{_GLOO_CHILD}\' & wait',
+                               _sys.executable], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        pids = descendants([parent.pid])
+        assert parent.pid in pids and len(pids) == 2
+        child = next(p for p in pids if p != parent.pid)
+        keeper = CommThreadPriority([parent.pid])
+        assert keeper.scan() >= 2 and keeper.failures == 0
+        assert keeper.scan() == 0  # nothing new: each thread is raised once
+        policies = {}
+        for tid in os.listdir(f"/proc/{child}/task"):
+            name = open(f"/proc/{child}/task/{tid}/comm").read().strip()
+            policies.setdefault(name, set()).add(os.sched_getscheduler(int(tid)))
+        gloo = {n: p for n, p in policies.items() if n.startswith(("gloo", "pt_gloo"))}
+        assert gloo and all(p == {os.SCHED_FIFO} for p in gloo.values()), policies
+        others = {n: p for n, p in policies.items() if n not in gloo}
+        assert others and all(os.SCHED_FIFO not in p for p in others.values()), policies
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
