@@ -149,8 +149,8 @@ def _megatron_rank_main(ctx: RankContext, fn, tp, pp, seed, args, kwargs):
         init_process_group_from_env,
     )
 
-    init_process_group_from_env()
-    init_megatron_parallel_state(ParallelSizes(tp, pp), seed)
+    job = init_process_group_from_env()
+    init_megatron_parallel_state(ParallelSizes(tp, pp), seed, job)
     try:
         return fn(ctx, *args, **kwargs)
     finally:

@@ -34,22 +34,71 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-_job_store = None
-_job_timeout: timedelta | None = None
+@dataclass(frozen=True)
+class Job:
+    """This process's part in the training job: what `init_process_group_from_env` set up,
+    held in one object and passed explicitly to what needs it (in the style of torchtitan's
+    ParallelDims), instead of module state.
+
+    - `store`: the key/value store every rank joined through (torch's default-group store,
+      i.e. the rendezvous store under torch's prefixes; under torchrun it lives in the
+      agent, so it answers while any rank is stalled), prefixed for dhelix's own keys.
+    - `timeout`: the process-group timeout; pass it to every group created later, whose own
+      default (torch's and Megatron's: 30 minutes) would otherwise let a stalled rank hang
+      the job.
+
+    `Job()` (both None) says the default process group was created elsewhere (e.g. by
+    megatron.training's `initialize_megatron` under the plugin): groups then get torch's and
+    Megatron's default timeouts and no stall guard is built, as before this object existed.
+    """
+
+    store: object = None
+    timeout: timedelta | None = None
+
+    @property
+    def created_elsewhere(self) -> bool:
+        """True when `init_process_group_from_env` did not create the default group."""
+        return self.store is None
 
 
-def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300) -> None:
-    """Join the torchrun-style group (RANK, WORLD_SIZE, MASTER_ADDR/PORT) if not joined yet.
+def _dhelix_store():
+    # torch holds the default group's store for as long as the group exists (torch 2.13 has
+    # no public accessor for it)
+    return dist.PrefixStore("dhelix", dist.distributed_c10d._get_default_store())
+
+
+def _timeout_key() -> str:
+    # one key per rank: each process reads back exactly the timeout it joined with
+    return f"job/timeout_us/{dist.get_rank()}"
+
+
+def _job_of_default_group() -> Job:
+    """The Job `init_process_group_from_env` recorded in the default group's store
+    (`Job()` when another caller created the group)."""
+    store = _dhelix_store()
+    if not store.check([_timeout_key()]):
+        return Job()
+    return Job(store, timedelta(microseconds=int(store.get(_timeout_key()))))
+
+
+def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300) -> Job:
+    """Join the torchrun-style group (RANK, WORLD_SIZE, MASTER_ADDR/PORT) if not joined yet,
+    and return this process's `Job`.
 
     Installs the CPU shims first on a CPU-only torch, and picks this rank's GPU on CUDA.
     `timeout_s` bounds every collective and store wait (the process-group timeout). Joins
-    exactly as `init_process_group(init_method="env://")` does, keeping the rendezvous store
-    for `job_store`.
+    exactly as `init_process_group(init_method="env://")` does.
+
+    The Job is recorded in the default group's own store (a key per rank), not in module
+    state, so a later call while the group exists (e.g. a test body after
+    `dhelix.harness.run_megatron_ranks` joined) returns a Job with the first call's store
+    and timeout (its `timeout_s` and `backend` are then ignored), and a group created by
+    another caller (megatron.training) gives `Job()`. The record ends with the group
+    (`destroy_process_group`).
     """
-    global _job_store, _job_timeout
     apply_cpu_shims()
     if dist.is_initialized():
-        return
+        return _job_of_default_group()
     backend = backend or default_backend()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -58,22 +107,9 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
     store.set_timeout(timeout)
     dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store),
                             rank=rank, world_size=world_size, timeout=timeout)
-    _job_store = dist.PrefixStore("dhelix", store)
-    _job_timeout = timeout
-
-
-def job_timeout() -> timedelta | None:
-    """The process-group timeout `init_process_group_from_env` set (None when the group was
-    created elsewhere): pass it to every group created later, whose own default (torch's
-    and Megatron's: 30 minutes) would otherwise let a stalled rank hang the job."""
-    return _job_timeout if dist.is_initialized() else None
-
-
-def job_store():
-    """The key/value store every rank joined through (under torchrun it lives in the agent,
-    so it answers while any rank is stalled), prefixed for dhelix's own keys; None when the
-    process group was not created by `init_process_group_from_env`."""
-    return _job_store if dist.is_initialized() else None
+    job = Job(_dhelix_store(), timeout)
+    job.store.set(_timeout_key(), str(timeout // timedelta(microseconds=1)))
+    return job
 
 
 def folded_embedding_ranks(pp_ranks, *_unused) -> list:
@@ -82,8 +118,11 @@ def folded_embedding_ranks(pp_ranks, *_unused) -> list:
     return [pp_ranks[0]]
 
 
-def init_megatron_parallel_state(sizes: ParallelSizes, seed: int, folded: bool = False) -> None:
+def init_megatron_parallel_state(sizes: ParallelSizes, seed: int, job: Job,
+                                 folded: bool = False) -> None:
     """(Re)initialise Megatron's model-parallel groups and seed every RNG like Megatron does.
+
+    Megatron's groups get `job.timeout` (Megatron's default, 30 minutes, for `Job()`).
 
     Seeds: python/numpy/torch get `seed + 100 * pp_rank` (Megatron's `_set_random_seed`);
     the model-parallel RNG tracker is seeded by `model_parallel_cuda_manual_seed(seed')`
@@ -96,8 +135,8 @@ def init_megatron_parallel_state(sizes: ParallelSizes, seed: int, folded: bool =
         parallel_state.destroy_model_parallel()
     sizes.data_parallel_size(dist.get_world_size())  # raises on inconsistent sizes
     extra = {"get_embedding_ranks": folded_embedding_ranks} if folded else {}
-    if job_timeout() is not None:
-        extra["distributed_timeout_minutes"] = job_timeout().total_seconds() / 60
+    if job.timeout is not None:
+        extra["distributed_timeout_minutes"] = job.timeout.total_seconds() / 60
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tensor_model_parallel_size,
         pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,

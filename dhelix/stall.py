@@ -32,7 +32,7 @@ from typing import Callable
 
 import psutil
 
-from dhelix.parallel import job_store
+from dhelix.parallel import Job
 
 # Substrings of the errors gloo raises when a peer stops answering or goes away.
 COMMUNICATION_FAILURES = ("Timed out", "timed out", "Connection closed by peer",
@@ -71,16 +71,17 @@ class StallGuard:
     timeout_s: float
 
     @classmethod
-    def for_job(cls, timeout_s: float) -> "StallGuard | None":
-        """The guard of this process (None without `dhelix.parallel`'s process group).
-        Publishes this rank's host and pid in the store (no collective)."""
+    def for_job(cls, job: Job) -> "StallGuard | None":
+        """The guard of this process, holding `job`'s store and timeout (None for a group
+        created elsewhere, `Job()`: no store to hold a roll call in). Publishes this rank's
+        host and pid in the store (no collective)."""
         import torch.distributed as dist
 
-        store = job_store()
-        if store is None:
+        if job.created_elsewhere:
             return None
-        guard = cls(store, dist.get_rank(), dist.get_world_size(), timeout_s)
-        store.set(f"process/{guard.rank}", json.dumps(_this_process()))
+        guard = cls(job.store, dist.get_rank(), dist.get_world_size(),
+                    job.timeout.total_seconds())
+        job.store.set(f"process/{guard.rank}", json.dumps(_this_process()))
         return guard
 
     @property

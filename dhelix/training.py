@@ -27,6 +27,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from dhelix.data import build_train_dataset, microbatch_iterator
 from dhelix.folding import uses_folded_model
 from dhelix.memory import peak_memory_bytes
+from dhelix.parallel import Job
 from megatron_patches.folded_model import FoldedGPTModel, build_folded_model_chunks
 from megatron_patches.model_provider import build_model_chunks
 from megatron_patches.optimizer_state import make_optimizer_state_loadable
@@ -67,8 +68,8 @@ class StepResult:
 class Trainer:
     """One rank's model, optimizer and data; `train_step` runs one global batch.
 
-    Build with `Trainer.build(args)` after the process group and Megatron's parallel state
-    exist (`dhelix.parallel`).
+    Build with `Trainer.build(args, job)` after the process group and Megatron's parallel
+    state exist (`dhelix.parallel`).
     """
 
     args: object
@@ -83,8 +84,10 @@ class Trainer:
     _data_iterator: object = None
 
     @classmethod
-    def build(cls, args, model_builder: Callable | None = None) -> "Trainer":
-        """`model_builder(args) -> (config, [chunks])` builds this rank's model chunks.
+    def build(cls, args, job: Job, model_builder: Callable | None = None) -> "Trainer":
+        """`job`: this process's `dhelix.parallel.Job` (its timeout goes to the `--dhelix`
+        lane groups). `model_builder(args) -> (config, [chunks])` builds this rank's model
+        chunks.
         Default: the folded model (`megatron_patches.folded_model.build_folded_model_chunks`)
         when `--dhelix` runs with PP > 1 (`dhelix.folding.uses_folded_model`; Megatron's
         parallel state must then be initialised with `folded=True`), else stock GPTModel."""
@@ -134,7 +137,7 @@ class Trainer:
         if getattr(args, "dhelix", False):
             from dhelix.runtime.setup import setup_dhelix
 
-            trainer.dhelix = setup_dhelix(args, model)
+            trainer.dhelix = setup_dhelix(args, model, job)
             trainer.forward_backward_func = trainer.dhelix.forward_backward_func
         return trainer
 

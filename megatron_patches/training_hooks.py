@@ -194,6 +194,7 @@ def _hook_training(training) -> None:
         megatron_args = _megatron_args()
         if megatron_args.dhelix:
             from dhelix.file_formats import FormatError
+            from dhelix.parallel import Job
             from dhelix.runtime.megatron_training import megatron_forward_backward
             from dhelix.runtime.setup import DHelixSetupError, setup_dhelix
             from megatron_patches.folded_model import FoldedGPTModel
@@ -205,7 +206,8 @@ def _hook_training(training) -> None:
                       "pretrain_gpt.py does); this script built its model another way (a "
                       "model_provider)")
             try:
-                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model)
+                # Job(): megatron.training created the process group (its own timeout)
+                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model, Job())
             except (DHelixSetupError, FormatError) as exc:
                 _fail(str(exc))
             _Run.forward_backward = megatron_forward_backward(dhelix_setup, megatron_args)

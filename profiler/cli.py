@@ -110,14 +110,14 @@ def profile_job(args, megatron_argv: list):
     margs = parse_args(megatron_argv)
     options = ProfileOptions(warmup=args.warmup, repeats=args.repeats,
                              max_pairs=args.max_pairs, comp_only=args.comp_only)
-    init_process_group_from_env(backend=margs.distributed_backend)
+    job = init_process_group_from_env(backend=margs.distributed_backend)
     import torch.distributed as dist
 
     world = dist.get_world_size()
     run_info = {"model": model_fingerprint(margs), "parallel": parallel_fingerprint(margs),
                 "world_size": world,
                 "ranks_per_node": NodeTopology.detect().ranks_per_node or world}
-    layer, timer = build_layer_under_test(margs)
+    layer, timer = build_layer_under_test(margs, job)
     try:
         return run_profile(layer, args.output, run=run_info, options=options,
                            overwrite=args.overwrite, stop_after=args.stop_after, timer=timer,

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 
-def build_layer_under_test(args: argparse.Namespace):
-    """(LayerUnderTest, Timer) for this rank; needs the default process group."""
+def build_layer_under_test(args: argparse.Namespace, job):
+    """(LayerUnderTest, Timer) for this rank; needs the default process group, whose
+    `dhelix.parallel.Job` is `job` (its timeout goes to Megatron's groups and the lanes)."""
     from dhelix.ops.runner import BoundLayer
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state
     from dhelix.runtime.lanes import check_cuda_device_max_connections, tensor_parallel_lanes
@@ -26,7 +27,8 @@ def build_layer_under_test(args: argparse.Namespace):
 
     check_cuda_device_max_connections()
     pp = args.pipeline_model_parallel_size
-    init_megatron_parallel_state(ParallelSizes(args.tensor_model_parallel_size, pp), args.seed)
+    init_megatron_parallel_state(ParallelSizes(args.tensor_model_parallel_size, pp), args.seed,
+                                 job)
     one_layer = argparse.Namespace(**vars(args))
     one_layer.num_layers = pp
     config, chunks = build_model_chunks(one_layer)
@@ -34,7 +36,7 @@ def build_layer_under_test(args: argparse.Namespace):
     rope = args.position_embedding_type == "rope"
     layer = gpt.decoder.layers[0]
     bound = BoundLayer(layer, args.seq_length, args.micro_batch_size, rope=rope)
-    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size)
+    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size, job)
     tp = args.tensor_model_parallel_size
     tokens = args.seq_length // tp if args.sequence_parallel else args.seq_length
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

@@ -108,14 +108,14 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
         init_process_group_from_env
     from dhelix.training import Trainer
 
-    init_process_group_from_env()
+    job = init_process_group_from_env()
     trainers = {}
     for name, extra in (systems or DEFAULT_SYSTEMS).items():
         args = parse_args(megatron_args + list(extra))
         init_megatron_parallel_state(ParallelSizes(args.tensor_model_parallel_size,
                                                    args.pipeline_model_parallel_size), args.seed,
-                                     folded=uses_folded_model(args))
-        trainers[name] = Trainer.build(args)
+                                     job, folded=uses_folded_model(args))
+        trainers[name] = Trainer.build(args, job)
     # Each init rebuilt Megatron's parallel state with the same sizes (only the folded
     # model's embedding group differs); each trainer keeps references to its own model and
     # groups, its finalize_model_grads included (dhelix.training.Trainer.build).

@@ -47,12 +47,12 @@ def train(args) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     timeout_s = 60 * args.distributed_timeout_minutes
-    init_process_group_from_env(args.distributed_backend, timeout_s=timeout_s)
+    job = init_process_group_from_env(args.distributed_backend, timeout_s=timeout_s)
     import torch.distributed as dist
 
-    guard = StallGuard.for_job(timeout_s)
+    guard = StallGuard.for_job(job)
     try:
-        return _train(args)
+        return _train(args, job)
     except Exception as exc:
         if guard is None or guard.explain(exc, report=_print_error) is None:
             raise
@@ -62,7 +62,7 @@ def train(args) -> int:
         dist.destroy_process_group()
 
 
-def _train(args) -> int:
+def _train(args, job) -> int:
     from dhelix.checkpointing import (
         CheckpointError,
         iteration_dir,
@@ -81,10 +81,10 @@ def _train(args) -> int:
     rank = dist.get_rank()
     init_megatron_parallel_state(
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
-        args.seed, folded=uses_folded_model(args),
+        args.seed, job, folded=uses_folded_model(args),
     )
     try:
-        trainer = Trainer.build(args)
+        trainer = Trainer.build(args, job)
     except (DHelixSetupError, FormatError) as exc:
         report_error(str(exc))
         return ERROR_EXIT_CODE

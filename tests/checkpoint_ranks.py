@@ -65,9 +65,9 @@ def damaged_loads(ctx, workdir: str) -> dict:
     """Returns (on every rank) {case: {"outcome": "loaded"|"refused", "message", "iteration",
     "params_unchanged"}} plus "files" (the saved iteration's file names) and
     "manifest_optimizer_only" (files the manifest marks as optimizer state only)."""
-    init_process_group_from_env()
+    job = init_process_group_from_env()
     root = Path(workdir)
-    trainer = build_trainer(tiny_args(tp=2))
+    trainer = build_trainer(tiny_args(tp=2), job)
     for _ in range(2):
         observed_step(trainer, with_grads=False)
         save_checkpoint(trainer, root / "good")

@@ -12,6 +12,7 @@ from dhelix.arguments import parse_args
 from dhelix.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from dhelix.folding import uses_folded_model
 from dhelix.parallel import (
+    Job,
     ParallelSizes,
     destroy_parallel_state,
     init_megatron_parallel_state,
@@ -31,13 +32,13 @@ def tiny_args(tp=1, pp=1, sp=False, distopt=False, extra=()):
     return parse_args(argv + list(extra))
 
 
-def build_trainer(args) -> Trainer:
+def build_trainer(args, job: Job) -> Trainer:
     """Parallel state and trainer for `args` (the folded model for --dhelix with PP > 1)."""
     init_megatron_parallel_state(
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
-        args.seed, folded=uses_folded_model(args),
+        args.seed, job, folded=uses_folded_model(args),
     )
-    return Trainer.build(args)
+    return Trainer.build(args, job)
 
 
 def observed_step(trainer: Trainer, with_grads: bool) -> dict:
@@ -89,12 +90,12 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
 
     Returns (on every rank) {layout_name: [per-step comparison rows]}.
     """
-    init_process_group_from_env()
+    job = init_process_group_from_env()
     report = {}
     for group_name, group in groups.items():
         workdir_group = Path(workdir) / group_name
         extra = group.get("extra_args", ())
-        ref = build_trainer(tiny_args(distopt=group.get("distopt", False), extra=extra))
+        ref = build_trainer(tiny_args(distopt=group.get("distopt", False), extra=extra), job)
         save_checkpoint(ref, workdir_group / "init")
         ref_steps = []
         for k in range(steps):
@@ -110,7 +111,7 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
         for name, spec in group["layouts"].items():
             args = tiny_args(tp=spec["tp"], pp=spec["pp"], sp=spec.get("sp", False),
                              distopt=spec.get("distopt", False), extra=extra)
-            trainer = build_trainer(args)
+            trainer = build_trainer(args, job)
             if spec.get("untag_sp_norms"):
                 untag_sequence_parallel_norms(trainer)
             if spec.get("resume"):
@@ -133,17 +134,17 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
     """For each case {name: {"tp", "sp", "pairer"}}: Megatron's no-pipelining schedule and
     the DHelix schedule from the same initial weights (same seed, same layout) and data;
     per-step comparison rows, plus the plan's block count."""
-    init_process_group_from_env()
+    job = init_process_group_from_env()
     report = {}
     for name, spec in cases.items():
         base = ["--optimizer", "sgd", "--lr", "0.05", *extra_args, *spec.get("extra", ())]
         args = tiny_args(tp=spec["tp"], sp=spec.get("sp", False), extra=base)
-        ref = build_trainer(args)
+        ref = build_trainer(args, job)
         ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
         dargs = tiny_args(tp=spec["tp"], sp=spec.get("sp", False),
                           extra=base + ["--dhelix", "--dhelix-pairer", spec["pairer"],
                                         *spec.get("dhelix_extra", ())])
-        trainer = build_trainer(dargs)
+        trainer = build_trainer(dargs, job)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
         report[name] = {"rows": compare_steps(ref_steps, got),
                         "blocks": len(trainer.dhelix.runner.blocks),

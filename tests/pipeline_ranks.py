@@ -34,17 +34,17 @@ def dhelix_pipeline_parity(ctx, cases: dict, steps: int = 3) -> dict:
 
     Returns {name: {"init_param_diff", "init_param_key", "rows", "pairs" (co-executed layer
     pairs per rank), "m", "p"}}."""
-    init_process_group_from_env()
+    job = init_process_group_from_env()
     report = {}
     for name, spec in cases.items():
         base = ["--optimizer", "sgd", "--lr", "0.05", *spec.get("extra", ())]
         layout = dict(tp=spec["tp"], pp=spec["pp"], sp=spec.get("sp", False))
-        ref = build_trainer(tiny_args(**layout, extra=base))
+        ref = build_trainer(tiny_args(**layout, extra=base), job)
         ref_init = gather_full_tensors(ref.model, "param")
         ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
         dargs = tiny_args(**layout, extra=base + ["--dhelix", "--dhelix-pairer",
                                                   spec.get("pairer", "dp")])
-        trainer = build_trainer(dargs)
+        trainer = build_trainer(dargs, job)
         init_diff, init_key = max_abs_diff(ref_init, gather_full_tensors(trainer.model, "param"))
         counter = PairCounter(trainer.dhelix.runner)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dhelix.parallel import job_timeout
+from dhelix.parallel import Job
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,11 @@ class Lanes:
     no_comm_timing_only: bool = False
 
     @classmethod
-    def build(cls, role_groups: dict, no_comm_timing_only: bool = False) -> "Lanes":
+    def build(cls, role_groups: dict, job: Job, no_comm_timing_only: bool = False) -> "Lanes":
         """`role_groups`: role -> this rank's process group for that role (e.g. Megatron's
         TP group). For each role, communication lane and strand slot, creates a group with
-        the same ranks, for every group of that role in the world."""
+        the same ranks, for every group of that role in the world, with `job.timeout`
+        (torch's default, 30 minutes, for `Job()`)."""
         lanes = cls(no_comm_timing_only=no_comm_timing_only)
         for role, group in role_groups.items():
             mine = tuple(dist.get_process_group_ranks(group))
@@ -72,7 +73,7 @@ class Lanes:
             for lane in COMM_LANES:
                 for slot in STRAND_SLOTS:
                     for ranks in all_groups:
-                        clone = dist.new_group(list(ranks), timeout=job_timeout())
+                        clone = dist.new_group(list(ranks), timeout=job.timeout)
                         if ranks == mine:
                             lanes.groups[(role, lane, slot)] = clone
         return lanes
@@ -84,16 +85,16 @@ class Lanes:
         execution.no_comm_timing_only = self.no_comm_timing_only
 
 
-def tensor_parallel_lanes(tensor_model_parallel_size: int,
+def tensor_parallel_lanes(tensor_model_parallel_size: int, job: Job,
                           no_comm_timing_only: bool = False) -> Lanes | None:
-    """The lanes of Megatron's tensor-parallel group, or None without TP (the layer's own
-    group then serves its few collectives). Collective over the world, like `Lanes.build`;
-    Megatron's parallel state must exist."""
+    """The lanes of Megatron's tensor-parallel group (with `job`'s timeout), or None without
+    TP (the layer's own group then serves its few collectives). Collective over the world,
+    like `Lanes.build`; Megatron's parallel state must exist."""
     if tensor_model_parallel_size == 1:
         return None
     from megatron.core import parallel_state
 
-    return Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()},
+    return Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()}, job,
                        no_comm_timing_only=no_comm_timing_only)
 
 

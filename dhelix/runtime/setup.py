@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dhelix.dag import save_dag
 from dhelix.ops.runner import BoundLayer
+from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.folded_passes import FoldedOperatorPasses
 from dhelix.runtime.intra_batch_schedule import IntraBatchSplitSchedule
@@ -198,9 +199,10 @@ def _resolve_plan(args, fwd, bwd):
     return plan, source
 
 
-def setup_dhelix(args, model_chunks) -> DHelixSetup:
-    """Collective over the world (creates the lane process groups). Returns the schedule
-    whose `forward_backward` replaces Megatron's forward_backward_func."""
+def setup_dhelix(args, model_chunks, job: Job) -> DHelixSetup:
+    """Collective over the world (creates the lane process groups, with `job`'s timeout).
+    Returns the schedule whose `forward_backward` replaces Megatron's
+    forward_backward_func."""
     check_dhelix_supported(args)
     check_cuda_device_max_connections()
     if len(model_chunks) != 1:
@@ -214,7 +216,7 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
     if pipelined and not isinstance(parts.model, FoldedGPTModel):
         raise DHelixSetupError(
             "--dhelix with --pipeline-model-parallel-size > 1 needs the folded model: build "
-            "it with dhelix.training.Trainer.build(args) (which picks "
+            "it with dhelix.training.Trainer.build(args, job) (which picks "
             "megatron_patches.folded_model.build_folded_model_chunks for --dhelix) after "
             "init_megatron_parallel_state(..., folded=True)")
     rope = args.position_embedding_type == "rope"
@@ -226,7 +228,7 @@ def setup_dhelix(args, model_chunks) -> DHelixSetup:
     for layer in bound[1:]:
         if layer.programs.dags() != dags:
             raise DHelixSetupError("--dhelix needs identical layers (one plan serves all)")
-    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size,
+    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size, job,
                                   no_comm_timing_only=timing_only)
     if domino:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))

@@ -32,21 +32,21 @@ FOLDED_SCHEDULES = {
 }
 
 
-def _trainer(args, folded: bool) -> Trainer:
+def _trainer(args, job, folded: bool) -> Trainer:
     init_megatron_parallel_state(
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
-        args.seed, folded=folded)
+        args.seed, job, folded=folded)
     if folded:
-        return Trainer.build(args, model_builder=build_folded_model_chunks)
-    return Trainer.build(args)
+        return Trainer.build(args, job, model_builder=build_folded_model_chunks)
+    return Trainer.build(args, job)
 
 
-def _stock_embedding_group_rejected(args) -> list:
+def _stock_embedding_group_rejected(args, job) -> list:
     """Build the folded model under Megatron's default embedding group (first and last
     stage): [(stage, raised FoldedModelError)] of every rank."""
     init_megatron_parallel_state(
         ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
-        args.seed)
+        args.seed, job)
     try:
         build_folded_model_chunks(args)
         raised = False
@@ -93,7 +93,7 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
 
     Returns {name: {measure: value}} on every rank.
     """
-    init_process_group_from_env()
+    job = init_process_group_from_env()
     report = {}
     for name, case in cases.items():
         root = Path(workdir) / name
@@ -101,7 +101,7 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
         args = tiny_args(tp=case["tp"], pp=case["pp"], sp=case.get("sp", False),
                          extra=case.get("extra", ()))
         pp = args.pipeline_model_parallel_size
-        stock = _trainer(args, folded=False)
+        stock = _trainer(args, job, folded=False)
         save_checkpoint(stock, root / "stock_init")
         init_params = gather_full_tensors(stock.model, "param")
         ref_loss, ref_grads = _fresh_step(stock, loss_on_first_stage=False)
@@ -111,7 +111,7 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
         row["exec_1f1b_loss_diff"] = abs(loss - ref_loss)
         row["exec_1f1b_grad_diff"], _ = max_abs_diff(ref_grads, grads)
 
-        folded = _trainer(args, folded=True)
+        folded = _trainer(args, job, folded=True)
         load_checkpoint(folded, root / "stock_init", load_optimizer=False)
         row["load_stock_param_diff"], _ = max_abs_diff(
             init_params, gather_full_tensors(folded.model, "param"))
@@ -131,11 +131,11 @@ def folded_parity(ctx, workdir: str, cases: dict) -> dict:
 
         back_tp, back_pp = case["back"]
         back = _trainer(tiny_args(tp=back_tp, pp=back_pp, extra=case.get("extra", ())),
-                        folded=False)
+                        job, folded=False)
         load_checkpoint(back, root / "folded_step", load_optimizer=False)
         row["folded_to_stock_param_diff"], _ = max_abs_diff(
             stepped, gather_full_tensors(back.model, "param"))
-        row["stock_embedding_group"] = _stock_embedding_group_rejected(args)
+        row["stock_embedding_group"] = _stock_embedding_group_rejected(args, job)
         row["microbatches"] = args.num_microbatches
         row["pp"] = pp
         report[name] = row

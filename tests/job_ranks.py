@@ -1,0 +1,83 @@
+"""Rank body for tests/test_parallel_job.py (spawned by dhelix.harness; module-level so it
+pickles by name). One launch runs every check: each process pays seconds of imports."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from dhelix.harness import free_port
+from dhelix.parallel import (
+    Job,
+    ParallelSizes,
+    destroy_parallel_state,
+    init_megatron_parallel_state,
+    init_process_group_from_env,
+)
+from dhelix.runtime.lanes import tensor_parallel_lanes
+from dhelix.stall import StallGuard
+
+
+def _timeout(group) -> timedelta:
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def _lane_timeouts(lanes) -> list:
+    return sorted({_timeout(group) for group in lanes.groups.values()})
+
+
+def job_checks(ctx, timeout_s: float) -> dict:
+    """What a Job carries, seen through real gloo groups and the real store:
+
+    - the first and a second `init_process_group_from_env` call (the second with another
+      timeout, which it must ignore): their timeouts, and a key one rank sets through the
+      second Job's store read by every rank through its first Job's store;
+    - the timeout of Megatron's TP group and of the TP lane clones built with the Job, and
+      of lanes built with `Job()` (a group created elsewhere: torch's default);
+    - `StallGuard.for_job`: its timeout, each rank's published pid as read by the other
+      ranks, a roll call with every rank present, and None for `Job()`;
+    - after the group is re-created by plain `init_process_group` (as megatron.training
+      does), `init_process_group_from_env` says it was created elsewhere.
+    """
+    out = {}
+    job = init_process_group_from_env(timeout_s=timeout_s)
+    again = init_process_group_from_env(timeout_s=2 * timeout_s)
+    out["timeouts"] = (job.timeout, again.timeout)
+    out["created_elsewhere"] = (job.created_elsewhere, again.created_elsewhere)
+    if again.store is not None:
+        again.store.set(f"probe/{ctx.rank}", f"from rank {ctx.rank}")
+    dist.barrier()
+    keys = [f"probe/{r}" for r in range(ctx.world_size)]
+    out["probes"] = [job.store.get(k).decode() if job.store.check([k]) else None for k in keys]
+
+    init_megatron_parallel_state(ParallelSizes(ctx.world_size, 1), 1234, job)
+    out["megatron_tp_timeout"] = _timeout(parallel_state.get_tensor_model_parallel_group())
+    out["lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(ctx.world_size, job))
+    out["elsewhere_lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(ctx.world_size,
+                                                                          Job()))
+
+    guard = StallGuard.for_job(job)
+    out["guard_timeout_s"] = guard.timeout_s
+    pids = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    keys = [f"process/{r}" for r in range(ctx.world_size)]
+    out["published_pids_ok"] = [guard.store.check([k])
+                                and json.loads(guard.store.get(k))["pid"] == pids[r]
+                                for r, k in enumerate(keys)]
+    out["roll_call_missing"] = guard.roll_call()
+    out["elsewhere_guard"] = StallGuard.for_job(Job())
+    destroy_parallel_state()
+
+    ports = [None] * ctx.world_size
+    dist.all_gather_object(ports, free_port())
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}",
+                            rank=ctx.rank, world_size=ctx.world_size)
+    elsewhere = init_process_group_from_env()
+    out["megatron_style_group"] = (elsewhere.store is None, elsewhere.timeout)
+    return out
