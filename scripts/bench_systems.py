@@ -81,6 +81,7 @@ def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path) -> st
     options = QUICK_PROFILE_OPTIONS if ns.quick else []
     command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
                "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
+               "--comm-priority", ns.comm_priority,
                "--timeout", str(ns.timeout), "--", "-m", "dhelix", "profile",
                *model, *config.parallel_args(), *options, "--no-progress", "--overwrite",
                "-o", str(path)]
@@ -113,6 +114,7 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
     if available:
         command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
                    "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
+                   "--comm-priority", ns.comm_priority,
                    "--timeout", str(ns.timeout), "--", str(Path(__file__).resolve()),
                    "--worker", str(spec_path)]
         print(f"[bench] ({config.name}) {config.description}: {len(available)} systems, "
@@ -141,7 +143,8 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
                        "nodes": config.nodes, "ranks_per_node": config.ranks_per_node,
                        "tp": config.tp, "pp": config.pp, "world_size": config.world_size,
                        "cores": os.cpu_count(), "oversubscribed": config.oversubscribed()},
-            "bandwidth": bandwidth, "status": status, "cleanup": cleanup,
+            "bandwidth": bandwidth, "comm_priority": ns.comm_priority,
+            "status": status, "cleanup": cleanup,
             "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
             "summary": summarise_config(raw), "raw": raw}
 
@@ -240,6 +243,9 @@ def main(argv=None) -> int:
                         help="unmeasured repetitions first (default 1; 0 with --quick)")
     parser.add_argument("--bandwidth", action="append", default=None,
                         help="link rate, e.g. 800mbit (default), or CONFIG=RATE; repeatable")
+    parser.add_argument("--comm-priority", choices=("fifo", "normal"), default="fifo",
+                        help="the emulated cluster's --comm-priority for every launch "
+                             "(default fifo: gloo's threads at real-time priority)")
     parser.add_argument("--dhelix-profile", action="append", default=None,
                         help="profile for the DHelix plan (taken on the same emulated "
                              "cluster): PATH for every configuration or CONFIG=PATH; "

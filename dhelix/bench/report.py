@@ -22,6 +22,9 @@ from __future__ import annotations
 import math
 import statistics
 
+_COMM_PRIORITY = {"fifo": "at real-time priority (the emulated NIC)",
+                  "normal": "under the fair scheduler"}
+
 
 def summarise_config(raw: dict) -> dict:
     """`raw`: {"config", "ranks": [per-rank bench_body results], "runs": {name: {label,
@@ -145,7 +148,9 @@ def markdown(results: dict) -> str:
                 "(the ranks' computation time-shares the cores; not a headline figure)."
                 if cfg.get("oversubscribed") else "")
         lines += [f"## ({cfg['name']}) {cfg['description']}", "",
-                  f"Link {entry['bandwidth']}; load average before/after "
+                  f"Link {entry['bandwidth']}; gloo threads "
+                  f"{_COMM_PRIORITY.get(entry.get('comm_priority'), 'scheduling not recorded')}"
+                  "; load average before/after "
                   f"{entry['load_before']} / {entry['load_after']}; communication = "
                   f"{_fmt(share, '{:.0%}')} of Megatron's step; cleanup: "
                   f"{entry['cleanup']}.{over}", "",
