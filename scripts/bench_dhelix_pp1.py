@@ -107,19 +107,29 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
         init_process_group_from_env
     from dhelix.training import Trainer
+    from megatron.core import parallel_state
+    from megatron_patches.stage_rng import seed_pipeline_stage
 
     job = init_process_group_from_env()
-    trainers = {}
+    trainers, layout = {}, None
     for name, extra in (systems or DEFAULT_SYSTEMS).items():
         args = parse_args(megatron_args + list(extra))
-        init_megatron_parallel_state(ParallelSizes(args.tensor_model_parallel_size,
-                                                   args.pipeline_model_parallel_size), args.seed,
-                                     job, folded=uses_folded_model(args))
+        sizes = ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        folded = uses_folded_model(args)
+        if (sizes, folded) != layout:
+            init_megatron_parallel_state(sizes, args.seed, job, folded=folded)
+            layout = (sizes, folded)
+        else:
+            seed_pipeline_stage(args.seed, parallel_state.get_pipeline_model_parallel_rank())
         trainers[name] = Trainer.build(args, job)
-    # Each init rebuilt Megatron's parallel state with the same sizes (only the folded
-    # model's embedding group differs); each trainer keeps references to its own model and
+    # Systems with the same layout share Megatron's groups (only the folded model's
+    # embedding group differs, and a layout change rebuilds them): every idle gloo group
+    # costs the running one (its transport thread wakes every 10 ms; 60 idle groups made
+    # Megatron's step 5-17% longer), and each init creates ~20. Every trainer starts from
+    # the same seed, so from the same weights, and keeps references to its own model and
     # groups, its finalize_model_grads included (dhelix.training.Trainer.build).
     times = {name: [] for name in trainers}
+    first_loss = {}  # every system's first step (same weights and data: equal losses)
     # where a measured step went: forward/backward (what a recorded step covers), the
     # optimizer step, and the rest (loss reduction across ranks, memory reading)
     # and how the compute thread spent the step (`dhelix.bench.cpu_time`)
@@ -132,6 +142,8 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
             result = trainer.train_step()
             elapsed = time.perf_counter() - start
             cpu = CpuTimes.now().since(cpu_before)
+            if i == 0:
+                first_loss[name] = result.loss
             if i >= warmup:
                 times[name].append(elapsed)
                 fb = result.forward_backward_s
@@ -147,6 +159,7 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
         _, reading = measure_peak(trainer.forward_backward)
         memory[name] = reading.compute_peak_bytes
     result = {"rank": ctx.rank, "times": times, "step_parts": parts, "memory": memory,
+              "first_loss": first_loss,
               "plans": {name: t.dhelix.describe() for name, t in trainers.items()
                         if t.dhelix is not None},
               "plan_costs": {name: _plan_costs(t) for name, t in trainers.items()

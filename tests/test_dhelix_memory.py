@@ -1,6 +1,10 @@
 """Peak memory of one --dhelix forward/backward stays within Megatron's schedule's peak
 x 1.03 plus one layer's saved activations (tensor storage allocated by the compute thread,
-dhelix.memtrace), on the tiny preset with TP=2 + SP and 4 micro-batches."""
+dhelix.memtrace), on the tiny preset with TP=2 + SP and 4 micro-batches. Both systems share
+Megatron's groups in the benchmark's process and start from the same weights and data: their
+first steps' losses agree."""
+
+import pytest
 
 from dhelix.harness import run_on_ranks
 from scripts.bench_dhelix_pp1 import bench_body
@@ -18,3 +22,5 @@ def test_dhelix_peak_memory_within_bound():
               f"{dhelix / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
         assert megatron > 0 and r["layer_activation_bytes"] > 0
         assert dhelix <= bound
+        losses = r["first_loss"]
+        assert losses["megatron"] == pytest.approx(losses["dhelix"], rel=1e-6, abs=1e-6)
