@@ -125,10 +125,15 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                         "one micro-batch's forward with another's backward (DHelix and its "
                         "baselines); domino splits each micro-batch in two batch halves and "
                         "staggers them layer by layer (Domino-style baseline, no planning)")
-    g.add_argument("--dhelix-block-barriers", action="store_true",
-                   help="wait for every block's collectives before the next block starts (as "
-                        "the planner's cost model assumes); default: only at the end of each "
-                        "layer pair, readers wait for what they read")
+    g.add_argument("--dhelix-block-barriers", action="store_true", default=True,
+                   help="wait for every block's collectives before the next block starts, as "
+                        "the planner's cost model assumes (the default)")
+    g.add_argument("--dhelix-no-block-barriers", dest="dhelix_block_barriers",
+                   action="store_false",
+                   help="wait only at the end of each layer pair: a block's collectives may "
+                        "still be in flight when the next block starts (readers wait for what "
+                        "they read); measured slower on the emulated cluster "
+                        "(docs/benchmark.md)")
     g.add_argument("--dhelix-commfree-timing-only", action="store_true",
                    help="BENCHMARK ONLY: replace every TP collective of the layers with a "
                         "no-op (timing only, wrong numerics: the communication-free bound)")

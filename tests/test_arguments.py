@@ -125,3 +125,11 @@ def test_command_line_wins_over_the_preset_even_with_the_default_value():
     assert parse_args(["--preset", "tiny", "--micro-batch-size", "1",
                        "--global-batch-size", "8"]).micro_batch_size == 1
     assert parse_args(["--preset", "tiny"]).micro_batch_size == 2
+
+
+def test_block_barriers_are_the_default_and_can_be_dropped(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = ["--preset", "tiny", "--tensor-model-parallel-size", "2", "--dhelix"]
+    assert parse_args(base).dhelix_block_barriers is True
+    assert parse_args(base + ["--dhelix-block-barriers"]).dhelix_block_barriers is True
+    assert parse_args(base + ["--dhelix-no-block-barriers"]).dhelix_block_barriers is False

@@ -28,9 +28,9 @@ class LayerRunner:
     """`bound_layers[i]` binds local layer i; `lanes` (None without TP) routes collectives;
     `fwd_order` / `bwd_order` / `blocks` come from the plan (one plan for all layers);
     `timeline` (a `dhelix.runtime.timeline.Timeline`, default None) records what the
-    compute thread does, for explaining step times; `block_barriers` (default False) ends
-    every block of a layer pair with a barrier instead of only the last
-    (`strand_executor.run_blocks`)."""
+    compute thread does, for explaining step times; `block_barriers` (default True) ends
+    every block of a layer pair with a barrier, as the planner's cost model assumes; False
+    ends only the last (`strand_executor.run_blocks`)."""
 
     bound_layers: Sequence
     lanes: object
@@ -38,7 +38,7 @@ class LayerRunner:
     bwd_order: tuple
     blocks: tuple
     timeline: object = None
-    block_barriers: bool = False
+    block_barriers: bool = True
 
     def __post_init__(self):
         self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)

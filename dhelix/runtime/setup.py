@@ -208,7 +208,7 @@ def setup_dhelix(args, model_chunks, job: Job) -> DHelixSetup:
     if len(model_chunks) != 1:
         raise DHelixSetupError("--dhelix does not support virtual pipeline chunks")
     timing_only = bool(getattr(args, "dhelix_commfree_timing_only", False))
-    block_barriers = bool(getattr(args, "dhelix_block_barriers", False))
+    block_barriers = bool(getattr(args, "dhelix_block_barriers", True))
     if timing_only:
         log.warning(COMMFREE_WARNING)
     pipelined = args.pipeline_model_parallel_size > 1

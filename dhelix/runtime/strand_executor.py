@@ -12,9 +12,11 @@ ties alternate), and only blocks on a pending collective when neither strand can
 Measured on the emulated cluster, configuration (a): the DHelix row went from 1.048x to
 1.142x over Megatron with this choice, against plain alternation, in two runs of their own
 (docs/benchmark.md). A block can end with a barrier (both strands' collectives waited on,
-as the planner's cost model assumes); `run_blocks` puts one only after a layer pair's last
-block unless asked for one after every block, since a reader already waits for what it
-reads.
+as the planner's cost model assumes); `run_blocks` puts one after every block when asked
+(the runtime's default, `LayerRunner.block_barriers`: measured faster on the emulated
+cluster, since a collective left in flight shares the link with the next block's and both
+arrive later), else only after a layer pair's last block (a reader waits for what it
+reads).
 
 The two strands are usually a forward and a backward (the DHelix SI block), but nothing
 here depends on their directions: each strand runs the program of its execution's current
