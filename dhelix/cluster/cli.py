@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dhelix.cluster.comm_priority import POLICIES
+from dhelix.cluster.comm_priority import POLICIES, rt_throttling_problem
 
 DEFAULT_BANDWIDTH = "800mbit"
 DEFAULT_LATENCY = "0ms"
@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         shape = LinkShape(parse_rate(args.bandwidth), parse_time(args.latency))
         if args.timeout < 0 or args.grace < 0:
             raise ValueError("--timeout and --grace must be >= 0")
+        if args.comm_priority == "fifo" and command:
+            problem = rt_throttling_problem()
+            if problem:
+                raise ValueError(f"--comm-priority fifo: {problem}")
         if args.threads_per_rank is not None and args.threads_per_rank < 1:
             raise ValueError(f"--threads-per-rank {args.threads_per_rank}: must be >= 1")
         host = Host.check()

@@ -34,6 +34,23 @@ FULL_PASS_EVERY = 20  # scans; in between, a process is looked into only when it
                       # count changed (one thread ending as another starts goes unseen
                       # until the next full pass)
 PROC = Path("/proc")
+RT_RUNTIME = PROC / "sys" / "kernel" / "sched_rt_runtime_us"
+
+
+def rt_throttling_problem() -> str | None:
+    """Why real-time gloo threads would be unsafe on this host, or None. Linux lets
+    real-time threads use at most `sched_rt_runtime_us` of every `sched_rt_period_us`
+    (default 95%), so one that never blocks cannot take a core from the computation for
+    good; -1 turns that off, and then a spinning real-time thread could starve the rank it
+    belongs to."""
+    try:
+        runtime = int(RT_RUNTIME.read_text())
+    except (OSError, ValueError):
+        return None  # no such knob (not Linux, or a kernel without RT group scheduling)
+    if runtime < 0:
+        return (f"{RT_RUNTIME} is -1 (real-time threads unthrottled); set it back with "
+                "`sysctl kernel.sched_rt_runtime_us=950000` or use --comm-priority normal")
+    return None
 
 
 def _stat_fields(pid: int) -> list[str] | None:

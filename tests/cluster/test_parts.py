@@ -150,6 +150,25 @@ def test_cli_rejects_bad_options_before_touching_anything(argv, message, capsys,
     assert message in capsys.readouterr().err
 
 
+def test_fifo_refused_when_real_time_threads_are_unthrottled(tmp_path, capsys, monkeypatch):
+    from dhelix.cluster import comm_priority
+
+    knob = tmp_path / "sched_rt_runtime_us"
+    monkeypatch.setattr(comm_priority, "RT_RUNTIME", knob)
+    monkeypatch.setattr(Host, "check", classmethod(lambda cls: pytest.fail("host touched")))
+    knob.write_text("950000\n")
+    assert comm_priority.rt_throttling_problem() is None
+    knob.write_text("-1\n")
+    assert cli.main(["--", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--comm-priority fifo" in err and "sched_rt_runtime_us" in err and "normal" in err
+    # the fair scheduler needs no throttling: gets past the check (to the host check)
+    monkeypatch.setattr(Host, "check", classmethod(lambda cls: (_ for _ in ()).throw(
+        ClusterError("host checked"))))
+    assert cli.main(["--comm-priority", "normal", "--", "x.py"]) == 2
+    assert "host checked" in capsys.readouterr().err
+
+
 def test_cluster_config_validates():
     shape = LinkShape(None)
     for nodes, per_node, command in [(0, 1, ["x"]), (1, 0, ["x"]), (251, 1, ["x"]),
