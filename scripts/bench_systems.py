@@ -231,6 +231,8 @@ def worker(spec_path: str) -> int:
 
 
 def main(argv=None) -> int:
+    from dhelix.cluster.comm_priority import POLICIES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="a,a2,b,c",
                         help="comma-separated: a, a2, b, c (default all)")
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
                         help="unmeasured repetitions first (default 1; 0 with --quick)")
     parser.add_argument("--bandwidth", action="append", default=None,
                         help="link rate, e.g. 800mbit (default), or CONFIG=RATE; repeatable")
-    parser.add_argument("--comm-priority", choices=("fifo", "normal"), default="fifo",
+    parser.add_argument("--comm-priority", choices=POLICIES, default="fifo",
                         help="the emulated cluster's --comm-priority for every launch "
                              "(default fifo: gloo's threads at real-time priority)")
     parser.add_argument("--dhelix-profile", action="append", default=None,

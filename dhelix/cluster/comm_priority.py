@@ -62,15 +62,25 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()
 
 
-def descendants(roots) -> list[int]:
-    """Pids of every living process below `roots` (the roots included when alive)."""
-    children: dict[int, list[int]] = {}
+def _process_table() -> dict[int, tuple[int, int]]:
+    """{pid: (parent pid, thread count)} of every living process, one stat read each."""
+    table = {}
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             fields = _stat_fields(int(entry.name))
             if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [r for r in roots if (PROC / str(r)).exists()]
+                table[int(entry.name)] = (int(fields[1]), int(fields[17]))  # ppid, num_threads
+    return table
+
+
+def descendants(roots, table: dict | None = None) -> list[int]:
+    """Pids of every living process below `roots` (the roots included when alive), from
+    `table` (`_process_table()`, read now when not given)."""
+    table = _process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _threads) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [r for r in roots if r in table]
     while todo:
         pid = todo.pop()
         found.append(pid)
@@ -94,11 +104,9 @@ class CommThreadPriority:
         raised_now = 0
         full = self._scans % FULL_PASS_EVERY == 0
         self._scans += 1
-        for pid in descendants(self.roots):
-            fields = _stat_fields(pid)
-            if fields is None:
-                continue
-            threads = int(fields[17])  # num_threads
+        table = _process_table()
+        for pid in descendants(self.roots, table):
+            threads = table[pid][1]
             if not full and self._threads_seen.get(pid) == threads:
                 continue  # no thread started or ended since the last pass
             self._threads_seen[pid] = threads

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dhelix.cluster.comm_priority import POLICIES, CommThreadPriority
+from dhelix.cluster.comm_priority import CommThreadPriority
 from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.naming import NODE_IFNAME, RunNames
 from dhelix.cluster.output import LinePump
@@ -108,10 +108,8 @@ class NodeGroup:
     """The torchrun processes of one run, one per node namespace (see module docstring)."""
 
     def __init__(self, host: Host, names: RunNames, job: NodeJob, grace_s: float = 5.0,
-                 log=None, comm_priority: str = "fifo"):
-        if comm_priority not in POLICIES:
-            raise ValueError(f"comm_priority must be 'fifo' or 'normal', got {comm_priority!r}")
-        self.comm_priority = comm_priority
+                 log=None, raise_comm_threads: bool = True):
+        self.raise_comm_threads = raise_comm_threads
         self.priority: CommThreadPriority | None = None
         self.host = host
         self.names = names
@@ -135,13 +133,13 @@ class NodeGroup:
                 pump = LinePump(source, sink, f"[n{node}] ")
                 pump.start()
                 self.pumps.append(pump)
-        if self.comm_priority == "fifo":
+        if self.raise_comm_threads:
             self.priority = CommThreadPriority([proc.pid for proc in self.procs])
 
     def wait(self, timeout_s: float | None) -> int:
         """Block until all nodes succeeded (0), one failed (its code) or time ran out (124).
         Does not stop the remaining nodes: call `stop()` (the runner always does). Meanwhile
-        raises new communication threads every PRIORITY_SCAN_S (`comm_priority` "fifo")."""
+        raises new communication threads every PRIORITY_SCAN_S (`raise_comm_threads`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         next_scan = time.monotonic()
         while True:

@@ -69,7 +69,7 @@ def run_cluster(config: ClusterConfig, host: Host | None = None,
                   config.master_port, config.threads_per_rank,
                   {**config.extra_env, "DHELIX_CLUSTER_LINK": config.shape.describe()})
     nodes = NodeGroup(host, names, job, grace_s=config.grace_s, log=_log,
-                      comm_priority=config.comm_priority)
+                      raise_comm_threads=config.comm_priority == "fifo")
     with SignalGuard() as guard:
         try:
             network.up()
