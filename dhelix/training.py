@@ -84,10 +84,12 @@ class Trainer:
     _data_iterator: object = None
 
     @classmethod
-    def build(cls, args, job: Job, model_builder: Callable | None = None) -> "Trainer":
+    def build(cls, args, job: Job, model_builder: Callable | None = None,
+              lane_pool=None) -> "Trainer":
         """`job`: this process's `dhelix.parallel.Job` (its timeout goes to the `--dhelix`
-        lane groups). `model_builder(args) -> (config, [chunks])` builds this rank's model
-        chunks.
+        lane groups). `lane_pool` (a `dhelix.runtime.lanes.LanePool`, default None): lane
+        groups to reuse, for several trainers in one process. `model_builder(args) ->
+        (config, [chunks])` builds this rank's model chunks.
         Default: the folded model (`megatron_patches.folded_model.build_folded_model_chunks`)
         when `--dhelix` runs with PP > 1 (`dhelix.folding.uses_folded_model`; Megatron's
         parallel state must then be initialised with `folded=True`), else stock GPTModel."""
@@ -137,7 +139,7 @@ class Trainer:
         if getattr(args, "dhelix", False):
             from dhelix.runtime.setup import setup_dhelix
 
-            trainer.dhelix = setup_dhelix(args, model, job)
+            trainer.dhelix = setup_dhelix(args, model, job, lane_pool=lane_pool)
             trainer.forward_backward_func = trainer.dhelix.forward_backward_func
         return trainer
 

@@ -187,3 +187,65 @@ def block_cost_table(fwd_order: Sequence[str], bwd_order: Sequence[str], costs: 
 def op_masks(order: Sequence[str], ops: dict) -> list[int]:
     """Per-op channel bits (see `planner.blocks.comm_mask`) of an order."""
     return [comm_mask([ops[o]]) for o in order]
+
+
+def collective_sigma(costs: CostModel, op_id: str, direction: str, other_compute) -> float:
+    """Co-run slowdown of collective `op_id` (of `direction`) with computation: the mean of
+    its measured (or estimated) sigma against the other direction's computations
+    `other_compute` (the profile measures pairs across the two strands only), 1.0 when
+    there are none."""
+    if direction == "fwd":
+        values = [costs.sigma[(op_id, o)] for o in other_compute if (op_id, o) in costs.sigma]
+    else:
+        values = [costs.sigma[(o, op_id)] for o in other_compute if (o, op_id) in costs.sigma]
+    return float(np.mean(values)) if values else 1.0
+
+
+def strand_alone_ms(order: Sequence[str], ops: dict, costs: CostModel, direction: str,
+                    other_ops: dict) -> float:
+    """How long one strand's operators `order` take alone as the strand executor runs them
+    (`dhelix.runtime.strand_executor.run_alone`), where the block model's solo segment
+    counts the sum of the solo times: a collective is issued when the strand reaches it and
+    proceeds on its channel while the strand goes on; a computation waits only for the
+    collectives it reads (its DAG deps); collectives of one channel run one after another;
+    while computation and collectives are in flight together each progresses at 1/sigma
+    (`collective_sigma`, the largest of those in flight); the segment ends when its
+    collectives have completed. `ops` / `other_ops`: op id -> OpNode of this direction /
+    the other one. Never more than the sum of the solo times when every sigma is <= 2."""
+    solo = costs.solo_f if direction == "fwd" else costs.solo_b
+    other_compute = [o for o, node in other_ops.items() if node.kind != "comm"]
+    sigma = {o: collective_sigma(costs, o, direction, other_compute)
+             for o in order if ops[o].kind == "comm"}
+    channels: dict = {}
+    done: set = set()
+    compute = None  # [op id, remaining solo work]
+    t, position = 0.0, 0
+    while True:
+        while compute is None and position < len(order):
+            op = ops[order[position]]
+            if op.kind == "comm":
+                channels.setdefault(op.channel, []).append([op.id, solo[op.id]])
+                position += 1
+                continue
+            if any(ops[d].kind == "comm" and d not in done for d in op.deps if d in ops):
+                break  # reads a collective still in flight
+            compute = [op.id, solo[op.id]]
+            position += 1
+        heads = [queue[0] for queue in channels.values() if queue]
+        if compute is None and not heads:
+            if position < len(order):
+                raise ValueError(f"{order[position]!r} waits for a collective never issued "
+                                 "(order not legal)")
+            return t
+        running = heads + ([compute] if compute is not None else [])
+        step = min(work for _, work in running)
+        slowdown = max(sigma[o] for o, _ in heads) if heads and compute is not None else 1.0
+        t += step * slowdown
+        for item in running:
+            item[1] -= step
+        for queue in channels.values():
+            if queue and queue[0][1] <= 1e-12:
+                done.add(queue.pop(0)[0])
+        if compute is not None and compute[1] <= 1e-12:
+            done.add(compute[0])
+            compute = None

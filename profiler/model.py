@@ -20,7 +20,8 @@ def build_layer_under_test(args: argparse.Namespace, job):
     `dhelix.parallel.Job` is `job` (its timeout goes to Megatron's groups and the lanes)."""
     from dhelix.ops.runner import BoundLayer
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state
-    from dhelix.runtime.lanes import check_cuda_device_max_connections, tensor_parallel_lanes
+    from dhelix.runtime.lanes import check_cuda_device_max_connections, comm_channels, \
+        tensor_parallel_lanes
     from megatron_patches.gpt_parts import unwrap_gpt
     from megatron_patches.model_provider import build_model_chunks
     from profiler.timing import LayerUnderTest, Timer
@@ -36,7 +37,8 @@ def build_layer_under_test(args: argparse.Namespace, job):
     rope = args.position_embedding_type == "rope"
     layer = gpt.decoder.layers[0]
     bound = BoundLayer(layer, args.seq_length, args.micro_batch_size, rope=rope)
-    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size, job)
+    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size, job,
+                                  channels=comm_channels([bound]))
     tp = args.tensor_model_parallel_size
     tokens = args.seq_length // tp if args.sequence_parallel else args.seq_length
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

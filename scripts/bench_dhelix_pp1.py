@@ -80,13 +80,27 @@ def _timeline_step(trainer) -> dict:
 def _plan_costs(trainer) -> dict:
     """What the plan predicts per paired layer (sequential and planned ms), and how many
     layer pairs one step pairs: (micro-batches - 1) x local layers without pipelining, None
-    with it (the W schedule pairs fewer; no step prediction is made there)."""
-    plan, args = trainer.dhelix.plan, trainer.args
+    with it (the W schedule pairs fewer; no step prediction is made there). With the cost
+    model at hand (a plan built at start-up), also `sequential_executed_ms`: the same layer's
+    forward then backward as the strand executor runs each alone, its collectives in flight
+    while the strand computes what does not read them (`planner.cosched.strand_alone_ms`);
+    `sequential_ms` is the plain sum of the solo times."""
+    from planner.cosched import strand_alone_ms
+
+    setup, args = trainer.dhelix, trainer.args
+    plan = setup.plan
     pairs = None
     if args.pipeline_model_parallel_size == 1:
-        pairs = (args.num_microbatches - 1) * len(trainer.dhelix.runner.bound_layers)
-    return {"sequential_ms": plan.sequential_ms, "planned_ms": plan.planned_ms,
-            "paired_layers_per_step": pairs}
+        pairs = (args.num_microbatches - 1) * len(setup.runner.bound_layers)
+    out = {"sequential_ms": plan.sequential_ms, "planned_ms": plan.planned_ms,
+           "paired_layers_per_step": pairs}
+    if setup.costs is not None:
+        dags = setup.runner.bound_layers[0].programs.dags()
+        fwd, bwd = dags["fwd"].by_id(), dags["bwd"].by_id()
+        out["sequential_executed_ms"] = (
+            strand_alone_ms(plan.fwd_order, fwd, setup.costs, "fwd", bwd)
+            + strand_alone_ms(plan.bwd_order, bwd, setup.costs, "bwd", fwd))
+    return out
 
 
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
@@ -106,12 +120,13 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     from dhelix.memtrace import measure_peak
     from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
         init_process_group_from_env
+    from dhelix.runtime.lanes import LanePool
     from dhelix.training import Trainer
     from megatron.core import parallel_state
     from megatron_patches.stage_rng import seed_pipeline_stage
 
     job = init_process_group_from_env()
-    trainers, layout = {}, None
+    trainers, layout, lane_pool = {}, None, LanePool()
     for name, extra in (systems or DEFAULT_SYSTEMS).items():
         args = parse_args(megatron_args + list(extra))
         sizes = ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -121,13 +136,14 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
             layout = (sizes, folded)
         else:
             seed_pipeline_stage(args.seed, parallel_state.get_pipeline_model_parallel_rank())
-        trainers[name] = Trainer.build(args, job)
+        trainers[name] = Trainer.build(args, job, lane_pool=lane_pool)
     # Systems with the same layout share Megatron's groups (only the folded model's
     # embedding group differs, and a layout change rebuilds them): every idle gloo group
     # costs the running one (its transport thread wakes every 10 ms; 60 idle groups made
     # Megatron's step 5-17% longer), and each init creates ~20. Every trainer starts from
     # the same seed, so from the same weights, and keeps references to its own model and
-    # groups, its finalize_model_grads included (dhelix.training.Trainer.build).
+    # groups, its finalize_model_grads included (dhelix.training.Trainer.build). For the
+    # same reason the DHelix-runtime systems share their lane groups (`lane_pool`).
     times = {name: [] for name in trainers}
     first_loss = {}  # every system's first step (same weights and data: equal losses)
     # where a measured step went: forward/backward (what a recorded step covers), the

@@ -19,7 +19,7 @@ from dhelix.parallel import (
     init_megatron_parallel_state,
     init_process_group_from_env,
 )
-from dhelix.runtime.lanes import tensor_parallel_lanes
+from dhelix.runtime.lanes import COMM_LANES, LanePool, tensor_parallel_lanes
 from dhelix.stall import StallGuard
 
 
@@ -57,9 +57,26 @@ def job_checks(ctx, timeout_s: float) -> dict:
 
     init_megatron_parallel_state(ParallelSizes(ctx.world_size, 1), 1234, job)
     out["megatron_tp_timeout"] = _timeout(parallel_state.get_tensor_model_parallel_group())
-    out["lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(ctx.world_size, job))
-    out["elsewhere_lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(ctx.world_size,
-                                                                          Job()))
+    out["lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(ctx.world_size, job,
+                                                                channels=COMM_LANES))
+    out["elsewhere_lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(
+        ctx.world_size, Job(), channels=COMM_LANES))
+    # lanes for one channel only, taken from a pool the second time: the same groups, and
+    # a collective on a pooled lane reaches every rank
+    pool = LanePool()
+    first = tensor_parallel_lanes(ctx.world_size, job, channels=("inter",), pool=pool)
+    second = tensor_parallel_lanes(ctx.world_size, job, channels=("inter",), pool=pool)
+    out["lane_keys"] = sorted(first.groups)
+    out["pool_size"] = len(pool.groups)
+    out["pool_reused"] = all(second.groups[k] is first.groups[k] for k in first.groups)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=second.groups[("tp", "inter", 1)])
+    out["pooled_lane_sum"] = total.item()
+    try:
+        tensor_parallel_lanes(ctx.world_size, job, channels=("nvlink",))
+        out["unknown_channel"] = None
+    except ValueError as exc:
+        out["unknown_channel"] = str(exc)
 
     guard = StallGuard.for_job(job)
     out["guard_timeout_s"] = guard.timeout_s

@@ -36,6 +36,14 @@ def test_groups_built_with_the_job_get_its_timeout(ranks):
         assert out["elsewhere_lane_timeouts"] == [TORCH_DEFAULT]
 
 
+def test_lanes_for_the_used_channel_only_and_pooled_groups_reused(ranks):
+    for out in ranks:
+        assert out["lane_keys"] == [("tp", "inter", 0), ("tp", "inter", 1)]
+        assert out["pool_size"] == 2 and out["pool_reused"]
+        assert out["pooled_lane_sum"] == 2.0
+        assert "unknown communication channels ['nvlink']" in out["unknown_channel"]
+
+
 def test_stall_guard_finds_the_store(ranks):
     for out in ranks:
         assert out["guard_timeout_s"] == TIMEOUT_S

@@ -10,11 +10,14 @@ the timing-only communication-free bound (1.0 = as fast as without communication
 undefined when the bound is not faster than Megatron); peak memory per rank = the compute
 thread's peak tensor bytes during one forward/backward (`dhelix.memtrace`).
 
-Predicted speedup (rows with a plan, without pipelining): the plan says how much faster one
-paired layer runs than the same operators one after another (sequential_ms - planned_ms);
-a step pairs (m - 1) x layers of them, so the predicted step is the measured sequential
-operator-program step minus that saving, and the predicted speedup is T_megatron over it,
-next to the measured T_megatron / T_x.
+Predicted speedup (rows with a plan, without pipelining): the plan's cost model says how
+much faster one paired layer runs (planned_ms) than the same operators as the sequential
+row runs them - each strand alone, its collectives in flight while it computes what does
+not read them (sequential_executed_ms, `planner.cosched.strand_alone_ms`; the plain sum of
+the solo times, sequential_ms, where the run recorded no cost model); a step pairs
+(m - 1) x layers of them, so the predicted step is the measured sequential operator-program
+step minus that saving, and the predicted speedup is T_megatron over it, next to the
+measured T_megatron / T_x.
 """
 
 from __future__ import annotations
@@ -105,8 +108,8 @@ def _predicted_speedup(costs: dict | None, t_meg: float | None,
     docstring; None where there is no plan, no step prediction or no baseline."""
     if not costs or not costs.get("paired_layers_per_step") or not t_meg or not t_sequential:
         return None
-    saved_s = costs["paired_layers_per_step"] * (costs["sequential_ms"]
-                                                  - costs["planned_ms"]) / 1e3
+    sequential = costs.get("sequential_executed_ms", costs["sequential_ms"])
+    saved_s = costs["paired_layers_per_step"] * (sequential - costs["planned_ms"]) / 1e3
     return t_meg / (t_sequential - saved_s) if t_sequential > saved_s else None
 
 

@@ -50,7 +50,8 @@ class ClusterConfig:
         if not self.command:
             raise ValueError("nothing to run: give the command after --")
         if self.comm_priority not in POLICIES:
-            raise ValueError(f"comm priority must be fifo or normal, got {self.comm_priority!r}")
+            raise ValueError(f"comm priority must be one of {', '.join(POLICIES)}, got "
+                             f"{self.comm_priority!r}")
         if not 1 <= self.master_port <= 65535:
             raise ValueError(f"master port {self.master_port} outside 1..65535")
 

@@ -136,12 +136,21 @@ class LayerExecution:
         return self._phase
 
     def comm_group(self, op):
-        """The process group a collective operator runs on: its lane's group when the
-        executor assigned one for (role, channel, strand slot), else the layer's own group.
-        A lane group has the same ranks as the layer's group, so results are identical."""
+        """The process group a collective operator runs on: its lane's group for (role,
+        channel, strand slot) when the executor attached lanes (an error if they lack that
+        one), else the layer's own group. A lane group has the same ranks as the layer's
+        group, so results are identical."""
         role = op.attrs["group"]
-        lane = self.lane_groups.get((role, op.channel, self.strand_slot))
-        return lane if lane is not None else self.binding.group(role)
+        if not self.lane_groups:
+            return self.binding.group(role)
+        key = (role, op.channel, self.strand_slot)
+        if key not in self.lane_groups:
+            # falling back to the layer's group would let two strands share it, and their
+            # collectives could then pair up differently on two ranks
+            raise RuntimeError(f"operator {op.id!r}: no communication lane for group "
+                               f"{role!r}, channel {op.channel!r}, strand {self.strand_slot}; "
+                               f"the lanes cover {sorted(self.lane_groups)}")
+        return self.lane_groups[key]
 
     def collectives(self, op):
         """How the collective operator `op` communicates: on `comm_group(op)`, or not at all

@@ -45,6 +45,18 @@ STRAND_SLOTS = (0, 1)
 
 
 @dataclass
+class LanePool:
+    """Lane process groups this process has created, by (ranks, channel, strand slot), for
+    every runtime built in it to reuse. One training run builds one runtime and needs no
+    pool; the benchmark builds one per system in one process, and every idle gloo group
+    costs the running one CPU (its transport thread wakes every 10 ms; docs/benchmark.md).
+    Reuse is safe because a system's collectives have all completed when its step ends.
+    Every rank must request the same groups in the same order (creation is collective)."""
+
+    groups: dict = field(default_factory=dict)
+
+
+@dataclass
 class Lanes:
     """Per-lane clones of one process group (by role, e.g. 'tp'), shared by all strands.
 
@@ -59,11 +71,17 @@ class Lanes:
     no_comm_timing_only: bool = False
 
     @classmethod
-    def build(cls, role_groups: dict, job: Job, no_comm_timing_only: bool = False) -> "Lanes":
+    def build(cls, role_groups: dict, job: Job, *, channels,
+              no_comm_timing_only: bool = False, pool: LanePool | None = None) -> "Lanes":
         """`role_groups`: role -> this rank's process group for that role (e.g. Megatron's
-        TP group). For each role, communication lane and strand slot, creates a group with
+        TP group). For each role, channel in `channels` (the channels the layers'
+        collectives use: a lane nobody uses is an idle group) and strand slot, a group with
         the same ranks, for every group of that role in the world, with `job.timeout`
-        (torch's default, 30 minutes, for `Job()`)."""
+        (torch's default, 30 minutes, for `Job()`); taken from `pool` when it has one with
+        those ranks, else created (and added to `pool`)."""
+        unknown = sorted(set(channels) - set(COMM_LANES))
+        if unknown:
+            raise ValueError(f"unknown communication channels {unknown}; known: {COMM_LANES}")
         lanes = cls(no_comm_timing_only=no_comm_timing_only)
         for role, group in role_groups.items():
             mine = tuple(dist.get_process_group_ranks(group))
@@ -71,9 +89,16 @@ class Lanes:
             dist.all_gather_object(everyone, mine)
             all_groups = sorted(set(everyone))
             for lane in COMM_LANES:
+                if lane not in channels:
+                    continue
                 for slot in STRAND_SLOTS:
                     for ranks in all_groups:
-                        clone = dist.new_group(list(ranks), timeout=job.timeout)
+                        key = (ranks, lane, slot)
+                        clone = pool.groups.get(key) if pool is not None else None
+                        if clone is None:
+                            clone = dist.new_group(list(ranks), timeout=job.timeout)
+                            if pool is not None:
+                                pool.groups[key] = clone
                         if ranks == mine:
                             lanes.groups[(role, lane, slot)] = clone
         return lanes
@@ -85,17 +110,32 @@ class Lanes:
         execution.no_comm_timing_only = self.no_comm_timing_only
 
 
-def tensor_parallel_lanes(tensor_model_parallel_size: int, job: Job,
-                          no_comm_timing_only: bool = False) -> Lanes | None:
-    """The lanes of Megatron's tensor-parallel group (with `job`'s timeout), or None without
-    TP (the layer's own group then serves its few collectives). Collective over the world,
-    like `Lanes.build`; Megatron's parallel state must exist."""
+def comm_channels(bound_layers) -> tuple:
+    """The channels ('intra', 'inter') the collectives of `bound_layers`' programs use
+    (`dhelix.ops.runner.BoundLayer`), in `COMM_LANES` order."""
+    used = set()
+    for bound in bound_layers:
+        for direction in ("fwd", "bwd"):
+            program = bound.programs.program(direction)
+            used.update(program[op_id].channel for op_id in program.ids
+                        if program[op_id].kind == "comm")
+    return tuple(lane for lane in COMM_LANES if lane in used)
+
+
+def tensor_parallel_lanes(tensor_model_parallel_size: int, job: Job, *, channels,
+                          no_comm_timing_only: bool = False,
+                          pool: LanePool | None = None) -> Lanes | None:
+    """The lanes of Megatron's tensor-parallel group for `channels` (normally
+    `comm_channels` of the layers they will serve; with `job`'s timeout,
+    reusing `pool`'s groups), or None without TP (the layer's own group then serves its few
+    collectives). Collective over the world, like `Lanes.build`; Megatron's parallel state
+    must exist."""
     if tensor_model_parallel_size == 1:
         return None
     from megatron.core import parallel_state
 
     return Lanes.build({"tp": parallel_state.get_tensor_model_parallel_group()}, job,
-                       no_comm_timing_only=no_comm_timing_only)
+                       channels=channels, no_comm_timing_only=no_comm_timing_only, pool=pool)
 
 
 def lane_execution(bound, lanes: Lanes | None):

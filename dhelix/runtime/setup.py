@@ -37,7 +37,8 @@ from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.folded_passes import FoldedOperatorPasses
 from dhelix.runtime.intra_batch_schedule import IntraBatchSplitSchedule
-from dhelix.runtime.lanes import check_cuda_device_max_connections, tensor_parallel_lanes
+from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, comm_channels, \
+    tensor_parallel_lanes
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.pp1_schedule import DHelixSchedule
 from dhelix.schedules.runner import make_forward_backward_func
@@ -105,6 +106,9 @@ class DHelixSetup:
     plan_source: str
     forward_backward_func: Callable
     timing_only: bool = False
+    # the cost model the plan was built with at start-up (None for a plan file or the
+    # Domino split): what the benchmark's predicted step reads besides the plan
+    costs: object = None
 
     @property
     def predicted_speedup(self):
@@ -184,7 +188,7 @@ def _resolve_plan(args, fwd, bwd):
                 f"{args.dhelix_plan}: plan was made from a profile of other hardware or "
                 f"software than this machine ({'; '.join(differences)}); profile this machine "
                 f"with `{REGENERATE['profile']}` and re-plan with `dhelix plan --profile`")
-        return plan, f"file {args.dhelix_plan}"
+        return plan, f"file {args.dhelix_plan}", None
     costs = build_cost_model(fwd, bwd, profile,
                              profile_path=args.dhelix_profile or "profile")
     command = shlex.join(["dhelix", "plan", "(built at start-up)"])
@@ -196,11 +200,13 @@ def _resolve_plan(args, fwd, bwd):
         estimated = sum(n for name, n in counts.items() if name != "measured")
         source += f", {estimated} of {sum(counts.values())} pairs estimated"
     source += ")"
-    return plan, source
+    return plan, source, costs
 
 
-def setup_dhelix(args, model_chunks, job: Job) -> DHelixSetup:
-    """Collective over the world (creates the lane process groups, with `job`'s timeout).
+def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
+                 ) -> DHelixSetup:
+    """Collective over the world (creates the lane process groups, with `job`'s timeout,
+    for the channels the layers' collectives use; reusing `lane_pool`'s, when given).
     Returns the schedule whose `forward_backward` replaces Megatron's
     forward_backward_func."""
     check_dhelix_supported(args)
@@ -229,7 +235,8 @@ def setup_dhelix(args, model_chunks, job: Job) -> DHelixSetup:
         if layer.programs.dags() != dags:
             raise DHelixSetupError("--dhelix needs identical layers (one plan serves all)")
     lanes = tensor_parallel_lanes(args.tensor_model_parallel_size, job,
-                                  no_comm_timing_only=timing_only)
+                                  channels=comm_channels(bound),
+                                  no_comm_timing_only=timing_only, pool=lane_pool)
     if domino:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
@@ -241,7 +248,7 @@ def setup_dhelix(args, model_chunks, job: Job) -> DHelixSetup:
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
                            forward_backward_func=schedule.forward_backward,
                            timing_only=timing_only)
-    plan, source = _resolve_plan(args, dags["fwd"], dags["bwd"])
+    plan, source, costs = _resolve_plan(args, dags["fwd"], dags["bwd"])
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
                          block_barriers=block_barriers)
@@ -251,4 +258,5 @@ def setup_dhelix(args, model_chunks, job: Job) -> DHelixSetup:
     else:
         forward_backward = DHelixSchedule(parts=parts, runner=runner).forward_backward
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
-                       forward_backward_func=forward_backward, timing_only=timing_only)
+                       forward_backward_func=forward_backward, timing_only=timing_only,
+                       costs=costs)

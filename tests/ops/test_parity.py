@@ -78,7 +78,7 @@ def test_peak_memory_within_bound(results):
 
 
 def test_value_lifetimes(results):
-    _, per_rank = results
+    world, per_rank = results
     for rank in per_rank:
         for report in rank["lifetime"]:
             assert report["live_after_forward"] == report["saved"]
@@ -86,6 +86,8 @@ def test_value_lifetimes(results):
             assert report["released_late"] == []
             assert all(report["pending_after_comm"])
             assert report["refused"] and "before its dependencies" in report["refused"]
+            if world > 1:  # the layer has collectives
+                assert report["missing_lane"] and "no communication lane" in report["missing_lane"]
 
 
 def test_unsupported_layers_and_inputs_are_refused():

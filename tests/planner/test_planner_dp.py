@@ -9,7 +9,7 @@ from tests.planner.planner_reference import exhaustive_best, random_dag, random_
 
 from dhelix.dag import OpDAG, OpNode, topological_violation
 from planner.blocks import Block, Pairing, pairing_violation, shared_channels
-from planner.cosched import block_cost_table, op_masks, simulate_block
+from planner.cosched import block_cost_table, op_masks, simulate_block, strand_alone_ms
 from planner.costs import build_cost_model
 from planner.dp import dp_search
 from planner.orders import candidate_orders
@@ -141,3 +141,24 @@ def test_full_layer_search_finds_a_real_speedup():
     assert costs.sequential_ms() / result.planned_ms > 1.1
     assert pairing_violation(fwd, bwd, result.pairing) is None
     assert np.isfinite(result.planned_ms)
+
+
+def test_a_strand_alone_computes_while_its_collective_is_in_flight():
+    # backward strand: collective c (4 ms), then w (3 ms, does not read c), then r (1 ms,
+    # reads c); the forward strand's gemm g co-runs with c at sigma 1.5 (measured pair)
+    bwd = OpDAG("bwd", [OpNode("c", "comm", "inter", (), "ar", False, "comm"),
+                        OpNode("w", "comp", "compute", (), "wgrad", True, "gemm"),
+                        OpNode("r", "comp", "compute", ("c",), "norm", False, "norm")])
+    fwd = _one_op("fwd", "g", "compute", "gemm")
+    costs = build_cost_model(fwd, bwd, _profile({"gemm": 4.0, "ar": 4.0, "wgrad": 3.0,
+                                                 "norm": 1.0}, {"gemm|ar": 6.0}))
+    assert costs.sigma[("g", "c")] == pytest.approx(1.5)
+    # w co-runs with c for 3 ms of work at sigma 1.5 (4.5 ms), c's last 1 ms runs alone,
+    # then r: 6.5 ms where the block model's solo segment counts 4 + 3 + 1
+    assert strand_alone_ms(["c", "w", "r"], bwd.by_id(), costs, "bwd",
+                           fwd.by_id()) == pytest.approx(6.5)
+    # a reader right after the collective waits for it: nothing overlaps
+    assert strand_alone_ms(["c", "r", "w"], bwd.by_id(), costs, "bwd",
+                           fwd.by_id()) == pytest.approx(8.0)
+    # the forward alone has no collective: the sum of its solo times
+    assert strand_alone_ms(["g"], fwd.by_id(), costs, "fwd", bwd.by_id()) == pytest.approx(4.0)

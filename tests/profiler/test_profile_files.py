@@ -137,7 +137,7 @@ def test_training_accepts_matching_profile_and_counts_estimates(tmp_path):
 
     path = save_profile(_profile(), tmp_path / "ok.json")
     dags = _programs().dags()
-    plan, source = _resolve_plan(_run_args(tmp_path, path), dags["fwd"], dags["bwd"])
+    plan, source, _ = _resolve_plan(_run_args(tmp_path, path), dags["fwd"], dags["bwd"])
     assert "costs from profile, 0 of 188 pairs estimated" in source
     assert plan.fingerprint["profile_sha"] == load_profile(path).sha
 
