@@ -103,15 +103,36 @@ def _plan_costs(trainer) -> dict:
     return out
 
 
+def _link_floor(trainer, repeats: int = 3) -> dict:
+    """The collectives of one forward/backward of `trainer` (`dhelix.bench.link_floor`),
+    replayed `repeats` times one at a time and all at once (interleaved, behind a barrier):
+    their count, tensor bytes, the c10d calls not replayed, and this rank's seconds per
+    replay."""
+    import torch.distributed as dist
+
+    from dhelix.bench.link_floor import record_collectives, replay
+
+    _, collectives, skipped = record_collectives(trainer.forward_backward)
+    out = {"collectives": len(collectives),
+           "tensor_bytes": sum(c.tensor_bytes for c in collectives),
+           "skipped": sorted(set(skipped)), "one_at_a_time_s": [], "all_at_once_s": []}
+    for _ in range(repeats):
+        for key, all_at_once in (("one_at_a_time_s", False), ("all_at_once_s", True)):
+            dist.barrier()
+            out[key].append(replay(collectives, all_at_once))
+    return out
+
+
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
                systems: dict | None = None) -> dict:
     """Every rank: build one trainer per system (`systems`: name -> extra arguments added
     to `megatron_args`; default Megatron and `--dhelix`) from the same seed, so the same
     initial weights and data; then `warmup` + `repeats` rounds, each one training step of
     every system in turn (interleaved, behind a barrier), then one measured forward/backward
-    per system for peak memory, then one recorded forward/backward per DHelix-runtime system
-    (`_timeline_step`). Returns this rank's step times (measured rounds only), peak bytes
-    and, per system using the DHelix runtime, its plan description and timeline totals."""
+    per system for peak memory, then Megatron's communication alone (`_link_floor`), then
+    one recorded forward/backward per DHelix-runtime system (`_timeline_step`). Returns
+    this rank's step times (measured rounds only), peak bytes, the link floor readings and,
+    per system using the DHelix runtime, its plan description and timeline totals."""
     import torch.distributed as dist
 
     from dhelix.arguments import parse_args
@@ -174,7 +195,10 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
         dist.barrier()
         _, reading = measure_peak(trainer.forward_backward)
         memory[name] = reading.compute_peak_bytes
+    megatron = trainers.get("megatron")
+    link_floor = _link_floor(megatron) if megatron is not None else None
     result = {"rank": ctx.rank, "times": times, "step_parts": parts, "memory": memory,
+              "link_floor": link_floor,
               "first_loss": first_loss,
               "plans": {name: t.dhelix.describe() for name, t in trainers.items()
                         if t.dhelix is not None},

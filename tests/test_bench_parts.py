@@ -57,7 +57,10 @@ def _raw():
               "memory": {k: 2**20 for k in times}, "plans": {},
               "timelines": {"dhelix": {"compute": 2.0, "issue": 0.1, "wait": 0.3 * f,
                                        "barrier": 0.2, "recorded": 2.3 + 0.3 * f,
-                                       "step_s": 3.2}}} for f in (1.0, 1.01)]
+                                       "step_s": 3.2}},
+              "link_floor": {"collectives": 170, "tensor_bytes": 85 * 2**20, "skipped": [],
+                             "one_at_a_time_s": [2.0 * f, 2.2, 2.1],
+                             "all_at_once_s": [2.5, 2.4 * f, 2.6]}} for f in (1.0, 1.01)]
     return {"config": "a", "ranks": ranks, "tokens_per_step": 2048,
             "runs": {n: {"label": r.label, "unavailable": r.unavailable,
                          "timing_only": r.system.timing_only} for n, r in runs.items()}}
@@ -73,6 +76,13 @@ def test_summary_speedup_and_hidden_share():
     assert rows["commfree"]["hidden_share"] == pytest.approx(1.0)
     assert rows["dhelix"]["tokens_per_s"] == pytest.approx(2048 / t_dh)
     assert summary["comm_share_of_megatron"] == pytest.approx((t_meg - t_free) / t_meg)
+    # the link floor: per replay the slowest rank, then the median; the faster mode wins
+    floor = summary["link_floor"]
+    assert floor["one_at_a_time_s"] == pytest.approx((2.02, 2.1, 2.2))
+    assert floor["all_at_once_s"] == pytest.approx((2.424, 2.5, 2.6))
+    assert floor["floor_s"] == pytest.approx(2.1)
+    assert floor["best_speedup"] == pytest.approx(t_meg / 2.1)
+    assert floor["best_hidden_share"] == pytest.approx((t_meg - 2.1) / (t_meg - t_free))
 
 
 def test_markdown_and_chart_with_na_rows(tmp_path):
@@ -99,6 +109,9 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     assert text.count("Oversubscribed: 4 ranks on 2 cores") == 1  # (c) only
     assert "n/a (--dhelix-pairer domino (intra-batch split) runs without" in text
     assert "(bound)" in text
+    assert ("170 collectives of one Megatron forward/backward (85 MiB of tensors per rank) "
+            "replayed on the same groups with nothing else running take 2100 ms (2020-2200) "
+            "one at a time and 2500 ms (2424-2600) all issued at once") in text
     assert not math.isnan(entries[0]["summary"]["comm_share_of_megatron"])
     bar_chart(results, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000

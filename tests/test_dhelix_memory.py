@@ -24,3 +24,8 @@ def test_dhelix_peak_memory_within_bound():
         assert dhelix <= bound
         losses = r["first_loss"]
         assert losses["megatron"] == pytest.approx(losses["dhelix"], rel=1e-6, abs=1e-6)
+        # Megatron's communication alone: with SP every layer gathers and reduce-scatters
+        # twice in its forward and again in its backward, on every micro-batch
+        floor = r["link_floor"]
+        assert floor["collectives"] >= 8 * 2 * 2, floor  # layers x micro-batches
+        assert all(0 < t < 60 for t in floor["one_at_a_time_s"] + floor["all_at_once_s"])

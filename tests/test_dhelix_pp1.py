@@ -28,6 +28,8 @@ CASES_TP2 = {
     "tp2_sequential": dict(tp=2, pairer="sequential"),
     "tp2_round_robin": dict(tp=2, pairer="round_robin"),
     "tp2_dp": dict(tp=2, pairer="dp"),
+    "tp2_dp_embedding_first": dict(tp=2, pairer="dp",
+                                   dhelix_extra=("--dhelix-no-embedding-overlap",)),
     "tp2_sp_dp": dict(tp=2, sp=True, pairer="dp"),
     "tp2_sp_llama_dp": dict(tp=2, sp=True, pairer="dp", extra=LLAMA),
     "tp2_domino": dict(tp=2, pairer="domino"),        # tiny preset: micro-batch 2 -> halves of 1
@@ -97,6 +99,15 @@ def _check(entry):
 @pytest.mark.parametrize("name", sorted(CASES_TP2) + ["tp2_plan_file"])
 def test_dhelix_matches_megatron_tp2(tp2, name):
     _check(tp2[name])
+
+
+def test_embedding_overlaps_the_loss_backward_where_micro_batches_pair(tp2, tp4):
+    """The SI blocks of the DP and round-robin pairers embed the forward micro-batch on a
+    helper thread during the loss backward (`EmbeddingOverlap`, covered by the parity rows
+    above); the sequential reference, the Domino-style split and the ablation do not."""
+    overlapping = {name for name, entry in {**tp2, **tp4}.items() if entry["embedding_overlap"]}
+    assert overlapping == {"tp2_round_robin", "tp2_dp", "tp2_sp_dp", "tp2_sp_llama_dp",
+                           "tp2_plan_file", "tp4_sp_dp", "tp4_round_robin"}
 
 
 def test_plan_file_is_used(tp2, plan_file_tp2):

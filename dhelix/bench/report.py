@@ -64,7 +64,30 @@ def summarise_config(raw: dict) -> dict:
         rows.append(row)
     return {"config": raw["config"], "rows": rows,
             "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
-            else None}
+            else None,
+            "link_floor": _link_floor(ranks, t_meg, t_free)}
+
+
+def _link_floor(ranks: list, t_meg: float | None, t_free: float | None) -> dict | None:
+    """Megatron's forward/backward's collectives replayed alone (`bench_body._link_floor`):
+    per mode (one at a time, all at once) the (min, median, max) over the replays of the
+    slowest rank's time (s); the floor = the faster median, and with it the best speedup
+    over Megatron and the best share of the exposed communication hidden that a step which
+    must carry those bytes allows. None when the ranks recorded no replay."""
+    readings = [r.get("link_floor") for r in ranks]
+    if not ranks or not all(readings):
+        return None
+    out = {"collectives": readings[0]["collectives"],
+           "tensor_bytes": readings[0]["tensor_bytes"], "skipped": readings[0]["skipped"]}
+    for mode in ("one_at_a_time_s", "all_at_once_s"):
+        per_replay = [max(times) for times in zip(*(r[mode] for r in readings))]
+        out[mode] = (min(per_replay), statistics.median(per_replay), max(per_replay))
+    floor = min(out["one_at_a_time_s"][1], out["all_at_once_s"][1])
+    out["floor_s"] = floor
+    out["best_speedup"] = t_meg / floor if t_meg else None
+    out["best_hidden_share"] = ((t_meg - floor) / (t_meg - t_free)
+                                if t_meg and t_free is not None and t_meg > t_free else None)
+    return out
 
 
 def _step_parts(ranks: list, name: str) -> dict | None:
@@ -179,6 +202,7 @@ def markdown(results: dict) -> str:
                 f"{max(row['peak_bytes_per_rank']) / 2**20:.1f} |")
         lines += [""] + _timeline_table(entry["summary"]["rows"])
         lines += _cpu_table(entry["summary"]["rows"])
+        lines += _link_floor_lines(entry["summary"].get("link_floor"))
     return "\n".join(lines)
 
 
@@ -234,6 +258,27 @@ def _cpu_table(rows: list) -> list:
         lines.append(f"| {row['label']} | {c['step'] * 1e3:.0f} | " + " | ".join(cells)
                      + " |")
     return lines + [""]
+
+
+def _link_floor_lines(floor: dict | None) -> list:
+    """One paragraph: Megatron's forward/backward's communication alone, and what it allows."""
+    if not floor:
+        return []
+
+    def spread(key):
+        low, mid, high = (v * 1e3 for v in floor[key])
+        return f"{mid:.0f} ms ({low:.0f}-{high:.0f})"
+
+    skipped = (f"; not replayed: {', '.join(floor['skipped'])}" if floor["skipped"] else "")
+    return [f"Communication alone: the {floor['collectives']} collectives of one Megatron "
+            f"forward/backward ({floor['tensor_bytes'] / 2**20:.0f} MiB of tensors per rank"
+            f"{skipped}) replayed on the same groups with nothing else running take "
+            f"{spread('one_at_a_time_s')} one at a time and {spread('all_at_once_s')} all "
+            "issued at once (median, min-max over 3 replays). No schedule of the same step "
+            f"carries them faster: that floor allows at best "
+            f"{_fmt(floor['best_speedup'], '{:.2f}x')} over Megatron and "
+            f"{_fmt(floor['best_hidden_share'], '{:.0%}')} of the exposed communication "
+            "hidden.", ""]
 
 
 def bar_chart(results: dict, path) -> None:

@@ -1,0 +1,123 @@
+"""How long a step's communication takes alone: the link's own floor under a step.
+
+`record_collectives` runs a piece of code (one forward/backward of Megatron's schedule)
+under a dispatch mode that notes every collective it issues (`c10d.*` operators: the
+process group and reduce op are part of each call, the tensors' shapes and dtypes are
+kept, not their data). `replay` issues the same collectives again on the same groups with
+zero-filled tensors of those shapes and nothing else running: one at a time (each waited
+before the next) or all at once (every one issued, then every one waited, so the transport
+may keep several in flight). What no schedule of the same step can beat is the faster of
+the two: the link must carry those bytes whatever computation runs beside them.
+
+Point-to-point transfers (pipeline send/recv) and barriers are not replayed (a replay in
+program order could deadlock where the step relied on batching them); they are counted in
+`skipped`. Ownership: the recorder keeps no tensor of the recorded code; a replay allocates
+its own tensors and frees them when it returns. Every rank must call `replay` with the
+same list in the same order (the ranks of a group recorded the same sequence), like any
+collective.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_NOT_REPLAYED = ("send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_")
+
+
+@dataclass(frozen=True)
+class RecordedCollective:
+    """One collective call: the operator, its arguments with every tensor replaced by a
+    (shape, dtype) spec, and the bytes of its tensors (inputs and outputs)."""
+
+    op: object
+    args: tuple
+    kwargs: tuple
+    tensor_bytes: int
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _spec(value):
+    """(value with tensors as _TensorSpec, their bytes)."""
+    if isinstance(value, torch.Tensor):
+        return _TensorSpec(tuple(value.shape), value.dtype), value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        parts = [_spec(v) for v in value]
+        return type(value)(p[0] for p in parts), sum(p[1] for p in parts)
+    return value, 0
+
+
+def _materialise(value):
+    if isinstance(value, _TensorSpec):
+        return torch.zeros(value.shape, dtype=value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialise(v) for v in value)
+    return value
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.collectives: list = []
+        self.skipped: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name.startswith("c10d."):
+            op_name = name.split(".")[1]
+            if op_name in _NOT_REPLAYED:
+                self.skipped.append(op_name)
+            else:
+                spec_args, arg_bytes = _spec(tuple(args))
+                spec_kwargs, kw_bytes = _spec(tuple(kwargs.items()))
+                self.collectives.append(RecordedCollective(func, spec_args, spec_kwargs,
+                                                           arg_bytes + kw_bytes))
+        return func(*args, **kwargs)
+
+
+def record_collectives(fn):
+    """Run `fn()` on this thread, noting every collective it issues; returns (fn's result,
+    the collectives in issue order, names of the c10d calls not recorded for replay)."""
+    recorder = _Recorder()
+    with recorder:
+        result = fn()
+    return result, recorder.collectives, recorder.skipped
+
+
+def _works(result) -> list:
+    """The Work handles in a c10d operator's result (e.g. (tensors, work))."""
+    found = []
+    for item in (result if isinstance(result, (list, tuple)) else (result,)):
+        if isinstance(item, (list, tuple)):
+            found += _works(item)
+        elif hasattr(item, "wait") and not isinstance(item, torch.Tensor):
+            found.append(item)
+    return found
+
+
+def replay(collectives: list, all_at_once: bool) -> float:
+    """Seconds to issue `collectives` again on their groups and see every one finish (this
+    rank's clock, from the first issue to the last wait). Collective: every rank of the
+    groups involved must call it with the same list."""
+    calls = [(c.op, _materialise(c.args), dict(_materialise(c.kwargs))) for c in collectives]
+    start = time.perf_counter()
+    pending = []
+    for op, args, kwargs in calls:
+        works = _works(op(*args, **kwargs))
+        if all_at_once:
+            pending += works
+        else:
+            for work in works:
+                work.wait()
+    for work in pending:
+        work.wait()
+    return time.perf_counter() - start
