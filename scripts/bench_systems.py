@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     parser.add_argument("--systems", default=None,
                         help="comma-separated systems (default: megatron, commfree, "
                              "ops_sequential, domino, wavelet, dhelix, dhelix_no_barriers; "
-                             "dhelix_embedding_first only when named)")
+                             "dhelix_embedding_overlap only when named)")
     parser.add_argument("--reps", type=int, default=None,
                         help="measured repetitions (default 5; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=None,

@@ -112,6 +112,7 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     assert ("170 collectives of one Megatron forward/backward (85 MiB of tensors per rank) "
             "replayed on the same groups with nothing else running take 2100 ms (2020-2200) "
             "one at a time and 2500 ms (2424-2600) all issued at once") in text
+    assert "the link does not bind here" in text  # the floor (2.1 s) is below the bound (3.0 s)
     assert not math.isnan(entries[0]["summary"]["comm_share_of_megatron"])
     bar_chart(results, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000

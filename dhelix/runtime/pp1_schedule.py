@@ -5,9 +5,9 @@ block: the forward of micro-batch beta=i+1 and the backward of alpha=i go throug
 layers together, forward layer l of beta paired with backward layer L-1-l of alpha (the
 pairing of the folded model; with PP=1 both sit on this rank), each pair executed block by
 block as the plan says (`strand_executor.run_blocks`). F(1) and B(m) run alone, in the
-plan's orders. In an SI block, beta's embedding runs on a helper thread during alpha's loss
-backward (`embedding_overlap.EmbeddingOverlap`, where the schedule has one), its
-all-reduce on an idle lane instead of exposed before the block.
+plan's orders. With an `embedding_overlap` (`--dhelix-embedding-overlap`), beta's
+embedding runs on a helper thread during alpha's loss backward, its all-reduce on an idle
+lane, instead of before the block.
 
 Semantics are Megatron's `forward_backward_no_pipelining`: the same `forward_step_func`
 is called once per micro-batch in the same order (so the data iterator is consumed

@@ -206,11 +206,11 @@ def _resolve_plan(args, fwd, bwd):
 
 
 def _embedding_overlap(args, parts: GPTParts, lanes) -> EmbeddingOverlap | None:
-    """The overlap of an SI block's forward embedding with its loss backward, on the first
-    strand's TP lane (idle between SI blocks), or None: without TP (no collective to hide),
-    with `--dhelix-no-embedding-overlap`, or with the sequential pairer (the operator path's
+    """With `--dhelix-embedding-overlap`, the overlap of an SI block's forward embedding with
+    its loss backward, on the first strand's TP lane (idle between SI blocks); None without
+    it, without TP (no collective to hide) or with the sequential pairer (the operator path's
     reference row co-executes nothing)."""
-    if (lanes is None or not getattr(args, "dhelix_embedding_overlap", True)
+    if (lanes is None or not getattr(args, "dhelix_embedding_overlap", False)
             or args.dhelix_pairer == SEQUENTIAL):
         return None
     lane = lanes.group_for("tp", STRAND_SLOTS[0])
