@@ -122,7 +122,7 @@ def test_configurations_oversubscribed_and_a2_on_a_slower_link():
     assert [CONFIGS[n].oversubscribed(2) for n in ("a", "a2", "b", "c")] == [
         False, False, True, True]
     assert not CONFIGS["b"].oversubscribed(16)
-    assert CONFIGS["a2"].bandwidth == "400mbit" and CONFIGS["a"].bandwidth == "800mbit"
+    assert CONFIGS["a2"].bandwidth == "500mbit" and CONFIGS["a"].bandwidth == "800mbit"
 
 
 def test_spread_and_predicted_step_speedup():
