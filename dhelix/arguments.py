@@ -134,13 +134,6 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                         "still be in flight when the next block starts (readers wait for what "
                         "they read); measured slower on the emulated cluster "
                         "(docs/benchmark.md)")
-    g.add_argument("--dhelix-embedding-overlap", action="store_true",
-                   help="without pipelining, with micro-batches paired (dp, round_robin) and "
-                        "TP > 1: embed each SI block's forward micro-batch (Megatron's "
-                        "embedding and its all-reduce) on a helper thread during the other "
-                        "micro-batch's loss backward instead of before the block. Off by "
-                        "default: no gain measured on the emulated cluster's small-vocabulary "
-                        "model (docs/runtime.md)")
     g.add_argument("--dhelix-commfree-timing-only", action="store_true",
                    help="BENCHMARK ONLY: replace every TP collective of the layers with a "
                         "no-op (timing only, wrong numerics: the communication-free bound)")

@@ -176,7 +176,7 @@ def orchestrate(ns) -> int:
         print(f"error: --systems: unknown {unknown} (known: "
               f"{', '.join(s.name for s in SYSTEMS)})", file=sys.stderr)
         return 2
-    systems = [s for s in SYSTEMS if (s.default if named is None else s.name in named)]
+    systems = [s for s in SYSTEMS if named is None or s.name in named]
     if not any(s.name == "megatron" for s in systems):
         print("error: --systems must include megatron (the baseline)", file=sys.stderr)
         return 2
@@ -243,9 +243,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="a,a2,b,c",
                         help="comma-separated: a, a2, b, c (default all)")
     parser.add_argument("--systems", default=None,
-                        help="comma-separated systems (default: megatron, commfree, "
-                             "ops_sequential, domino, wavelet, dhelix, dhelix_no_barriers; "
-                             "dhelix_embedding_overlap only when named)")
+                        help="comma-separated subset (default all: megatron, commfree, "
+                             "ops_sequential, domino, wavelet, dhelix, dhelix_no_barriers)")
     parser.add_argument("--reps", type=int, default=None,
                         help="measured repetitions (default 5; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=None,

@@ -130,12 +130,6 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
     return report
 
 
-def _overlaps_embedding(trainer) -> bool:
-    """Whether the trainer's PP=1 schedule embeds during the loss backward."""
-    schedule = getattr(trainer.dhelix.forward_backward_func, "__self__", None)
-    return getattr(schedule, "embedding_overlap", None) is not None
-
-
 def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
     """For each case {name: {"tp", "sp", "pairer"}}: Megatron's no-pipelining schedule and
     the DHelix schedule from the same initial weights (same seed, same layout) and data;
@@ -155,8 +149,7 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
         report[name] = {"rows": compare_steps(ref_steps, got),
                         "blocks": len(trainer.dhelix.runner.blocks),
                         "plan_source": trainer.dhelix.plan_source,
-                        "num_microbatches": dargs.num_microbatches,
-                        "embedding_overlap": _overlaps_embedding(trainer)}
+                        "num_microbatches": dargs.num_microbatches}
     destroy_parallel_state()
     dist.barrier()
     return report

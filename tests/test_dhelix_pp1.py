@@ -21,7 +21,6 @@ FP32_LOSS = 1e-6
 FP32_GRAD = 2e-7
 FP32_PARAM = 2e-7   # SGD lr 0.05: param diffs are lr x grad diffs
 
-EMBEDDING_OVERLAP = ("--dhelix-embedding-overlap",)
 LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--num-query-groups", "2", "--disable-bias-linear")
 
@@ -29,16 +28,14 @@ CASES_TP2 = {
     "tp2_sequential": dict(tp=2, pairer="sequential"),
     "tp2_round_robin": dict(tp=2, pairer="round_robin"),
     "tp2_dp": dict(tp=2, pairer="dp"),
-    "tp2_dp_embedding_overlap": dict(tp=2, pairer="dp", dhelix_extra=EMBEDDING_OVERLAP),
     "tp2_sp_dp": dict(tp=2, sp=True, pairer="dp"),
-    "tp2_sp_llama_dp": dict(tp=2, sp=True, pairer="dp", extra=LLAMA,
-                            dhelix_extra=EMBEDDING_OVERLAP),
+    "tp2_sp_llama_dp": dict(tp=2, sp=True, pairer="dp", extra=LLAMA),
     "tp2_domino": dict(tp=2, pairer="domino"),        # tiny preset: micro-batch 2 -> halves of 1
     "tp2_sp_domino": dict(tp=2, sp=True, pairer="domino"),
 }
 CASES_TP4 = {
-    "tp4_sp_dp": dict(tp=4, sp=True, pairer="dp", dhelix_extra=EMBEDDING_OVERLAP),
-    "tp4_round_robin": dict(tp=4, pairer="round_robin", dhelix_extra=EMBEDDING_OVERLAP),
+    "tp4_sp_dp": dict(tp=4, sp=True, pairer="dp"),
+    "tp4_round_robin": dict(tp=4, pairer="round_robin"),
 }
 
 
@@ -100,16 +97,6 @@ def _check(entry):
 @pytest.mark.parametrize("name", sorted(CASES_TP2) + ["tp2_plan_file"])
 def test_dhelix_matches_megatron_tp2(tp2, name):
     _check(tp2[name])
-
-
-def test_embedding_overlap_only_where_asked(tp2, tp4):
-    """`--dhelix-embedding-overlap` embeds each SI block's forward micro-batch on a helper
-    thread during the loss backward (`EmbeddingOverlap`; the parity rows above cover it with
-    TP=2, TP=2+SP with Llama layers, TP=4+SP and TP=4 round robin); without it, nothing
-    does."""
-    overlapping = {name for name, entry in {**tp2, **tp4}.items() if entry["embedding_overlap"]}
-    assert overlapping == {"tp2_dp_embedding_overlap", "tp2_sp_llama_dp", "tp4_sp_dp",
-                           "tp4_round_robin"}
 
 
 def test_plan_file_is_used(tp2, plan_file_tp2):

@@ -20,9 +20,6 @@ and strand executor (`dhelix.runtime`), so the baselines are options of one code
 - dhelix_no_barriers: the same plan with `--dhelix-no-block-barriers` (only each layer
   pair's last block waits; a block's collectives may still fly while the next block runs):
   what dropping the barriers gains or costs.
-- dhelix_embedding_overlap (only when named in `--systems`): the DHelix row with
-  `--dhelix-embedding-overlap`: each SI block's forward micro-batch is embedded (with its
-  all-reduce) during the other micro-batch's loss backward instead of before the block.
 
 With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped schedule
 (the pairer decides how each SI block's layer pairs are interleaved); Megatron runs 1F1B.
@@ -43,7 +40,6 @@ class System:
     args: tuple = ()
     timing_only: bool = False
     uses_profile: bool = False
-    default: bool = True  # run without --systems (False: an ablation run only when named)
 
 
 SYSTEMS = (
@@ -61,12 +57,8 @@ SYSTEMS = (
     System("dhelix_no_barriers", "DHelix, barrier only after each layer pair",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-block-barriers"),
            uses_profile=True),
-    System("dhelix_embedding_overlap", "DHelix, embedding under the loss backward",
-           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-embedding-overlap"),
-           uses_profile=True, default=False),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
-DEFAULT_SYSTEM_NAMES = tuple(s.name for s in SYSTEMS if s.default)
 
 
 @dataclass(frozen=True)

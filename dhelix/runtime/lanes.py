@@ -103,15 +103,6 @@ class Lanes:
                             lanes.groups[(role, lane, slot)] = clone
         return lanes
 
-    def group_for(self, role: str, slot: int):
-        """This rank's lane group of `role` for strand `slot` on the first channel built
-        (every channel's group has the role's ranks), or None where none was built."""
-        for lane in COMM_LANES:
-            group = self.groups.get((role, lane, slot))
-            if group is not None:
-                return group
-        return None
-
     def attach(self, execution) -> None:
         """Route the execution's collectives to the lane of their channel (or nowhere, for
         the timing-only communication-free bound)."""

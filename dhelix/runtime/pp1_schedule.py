@@ -5,9 +5,7 @@ block: the forward of micro-batch beta=i+1 and the backward of alpha=i go throug
 layers together, forward layer l of beta paired with backward layer L-1-l of alpha (the
 pairing of the folded model; with PP=1 both sit on this rank), each pair executed block by
 block as the plan says (`strand_executor.run_blocks`). F(1) and B(m) run alone, in the
-plan's orders. With an `embedding_overlap` (`--dhelix-embedding-overlap`), beta's
-embedding runs on a helper thread during alpha's loss backward, its all-reduce on an idle
-lane, instead of before the block.
+plan's orders.
 
 Semantics are Megatron's `forward_backward_no_pipelining`: the same `forward_step_func`
 is called once per micro-batch in the same order (so the data iterator is consumed
@@ -31,7 +29,6 @@ import torch
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
-from dhelix.runtime.embedding_overlap import EmbeddingOverlap
 from dhelix.runtime.forward_step_capture import CapturedStep, capture_forward_step
 from dhelix.runtime.layer_runner import LayerRunner
 from megatron_patches.gpt_parts import GPTParts
@@ -43,7 +40,7 @@ class _MicroBatch:
     after their last reader) and the autograd graphs of its embedding and loss."""
 
     call: CapturedStep
-    pre: object  # None until its embedding has run
+    pre: object
     executions: list = field(default_factory=list)
     hidden: torch.Tensor = None       # leaf: input of the final norm (requires grad)
     output_tensor: torch.Tensor = None  # scaled loss from forward_step_calc_loss
@@ -52,21 +49,15 @@ class _MicroBatch:
 @dataclass
 class DHelixSchedule:
     """Everything the PP=1 schedule needs, built once at start-up (see `runtime.setup`):
-    Megatron's model split at the layers (`parts`), the operator-level layer runner
-    (bound layers, lanes, plan) and, where the embedding has a collective, the overlap of
-    an SI block's forward embedding with its loss backward (`embedding_overlap`; None: the
-    embedding runs when its micro-batch begins)."""
+    Megatron's model split at the layers (`parts`) and the operator-level layer runner
+    (bound layers, lanes, plan)."""
 
     parts: GPTParts
     runner: LayerRunner
-    embedding_overlap: EmbeddingOverlap | None = None
 
-    def _begin_microbatch(self, forward_step_func, data_iterator, model,
-                          embed: bool = True) -> _MicroBatch:
-        """The next micro-batch's inputs (the data iterator advances as under Megatron) and,
-        with `embed`, its embedding."""
+    def _begin_microbatch(self, forward_step_func, data_iterator, model) -> _MicroBatch:
         call = capture_forward_step(forward_step_func, data_iterator, model)
-        pre = self.parts.pre(call.input_ids, call.position_ids) if embed else None
+        pre = self.parts.pre(call.input_ids, call.position_ids)
         return _MicroBatch(call=call, pre=pre)
 
     def _finish_forward(self, mb: _MicroBatch, y: torch.Tensor, model, config, ctx) -> int:
@@ -105,16 +96,8 @@ class DHelixSchedule:
 
     def _si_block(self, beta, alpha, model, config, ctx) -> int:
         """Forward of `beta` paired layer by layer with the backward of `alpha`: forward
-        layer l with backward layer L-1-l. A `beta`
-        not embedded yet is embedded during `alpha`'s loss backward (`EmbeddingOverlap`)."""
-        if beta.pre is None:
-            self.embedding_overlap.start(beta.call.input_ids, beta.call.position_ids)
-            try:
-                grad = self._start_backward(alpha, config)
-            finally:
-                beta.pre = self.embedding_overlap.finish()
-        else:
-            grad = self._start_backward(alpha, config)
+        layer l with backward layer L-1-l."""
+        grad = self._start_backward(alpha, config)
         layers = range(len(self.runner.bound_layers))
         y, beta.executions, grad = self.runner.run_paired(
             layers, beta.pre.decoder_input.detach(), beta.pre.rotary_pos_emb,
@@ -132,8 +115,7 @@ class DHelixSchedule:
             alpha = self._begin_microbatch(forward_step_func, data_iterator, model)
             total_tokens += self._forward_alone(alpha, model, config, ctx)
             for _ in range(ctx.num_microbatches - 1):
-                beta = self._begin_microbatch(forward_step_func, data_iterator, model,
-                                              embed=self.embedding_overlap is None)
+                beta = self._begin_microbatch(forward_step_func, data_iterator, model)
                 total_tokens += self._si_block(beta, alpha, model, config, ctx)
                 alpha = beta
         self._backward_alone(alpha, model, config)

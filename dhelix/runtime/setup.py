@@ -35,11 +35,10 @@ from dhelix.dag import save_dag
 from dhelix.ops.runner import BoundLayer
 from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
-from dhelix.runtime.embedding_overlap import EmbeddingOverlap
 from dhelix.runtime.folded_passes import FoldedOperatorPasses
 from dhelix.runtime.intra_batch_schedule import IntraBatchSplitSchedule
-from dhelix.runtime.lanes import STRAND_SLOTS, LanePool, check_cuda_device_max_connections, \
-    comm_channels, tensor_parallel_lanes
+from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, comm_channels, \
+    tensor_parallel_lanes
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.pp1_schedule import DHelixSchedule
 from dhelix.schedules.runner import make_forward_backward_func
@@ -63,7 +62,6 @@ from profiler.profile_file import load_profile
 log = logging.getLogger(__name__)
 
 DOMINO = "domino"
-SEQUENTIAL = "sequential"
 COMMFREE_WARNING = ("--dhelix-commfree-timing-only: every TP collective of the layers is a "
                     "no-op - timing only, wrong numerics (the benchmark's communication-free "
                     "bound; never use it to train)")
@@ -205,18 +203,6 @@ def _resolve_plan(args, fwd, bwd):
     return plan, source, costs
 
 
-def _embedding_overlap(args, parts: GPTParts, lanes) -> EmbeddingOverlap | None:
-    """With `--dhelix-embedding-overlap`, the overlap of an SI block's forward embedding with
-    its loss backward, on the first strand's TP lane (idle between SI blocks); None without
-    it, without TP (no collective to hide) or with the sequential pairer (the operator path's
-    reference row co-executes nothing)."""
-    if (lanes is None or not getattr(args, "dhelix_embedding_overlap", False)
-            or args.dhelix_pairer == SEQUENTIAL):
-        return None
-    lane = lanes.group_for("tp", STRAND_SLOTS[0])
-    return None if lane is None else EmbeddingOverlap(parts, lane)
-
-
 def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
                  ) -> DHelixSetup:
     """Collective over the world (creates the lane process groups, with `job`'s timeout,
@@ -270,9 +256,7 @@ def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
         forward_backward = make_forward_backward_func(
             build_w_schedule, passes=FoldedOperatorPasses(parts, runner))
     else:
-        forward_backward = DHelixSchedule(
-            parts=parts, runner=runner,
-            embedding_overlap=_embedding_overlap(args, parts, lanes)).forward_backward
+        forward_backward = DHelixSchedule(parts=parts, runner=runner).forward_backward
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
                        forward_backward_func=forward_backward, timing_only=timing_only,
                        costs=costs)
