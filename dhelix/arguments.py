@@ -134,6 +134,11 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                         "still be in flight when the next block starts (readers wait for what "
                         "they read); measured slower on the emulated cluster "
                         "(docs/benchmark.md)")
+    g.add_argument("--dhelix-no-layer-seams", dest="dhelix_layer_seams",
+                   action="store_false", default=True,
+                   help="run the layer pairs of an SI block strictly one after the other; by "
+                        "default a pair's trailing backward-only blocks run together with the "
+                        "next pair's leading forward-only blocks (docs/runtime.md)")
     g.add_argument("--dhelix-commfree-timing-only", action="store_true",
                    help="BENCHMARK ONLY: replace every TP collective of the layers with a "
                         "no-op (timing only, wrong numerics: the communication-free bound)")

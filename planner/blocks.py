@@ -71,6 +71,39 @@ def shared_channels(fwd_ops: Iterable[OpNode], bwd_ops: Iterable[OpNode]) -> lis
     return sorted(a & b)
 
 
+@dataclass(frozen=True)
+class Seam:
+    """Where two consecutive layer pairs of an SI block overlap: a plan's first `head` blocks
+    hold forward operators only and its last `tail` blocks backward operators only; `block`
+    co-executes the next layer pair's head (its forward segment) with this layer pair's tail
+    (its backward segment) instead of running them one after the other."""
+
+    head: int
+    tail: int
+    block: Block
+
+
+def layer_seam(blocks, ops_f: dict, ops_b: dict) -> Seam | None:
+    """The seam of a layer pair's blocks (`Seam`), or None where the first block holds
+    backward operators, the last one forward operators, or the head's and the tail's
+    collectives share a channel (rule 3). `ops_f` / `ops_b`: op id -> OpNode.
+
+    Why the seam block is legal: the next pair's head reads only its forward layer's input,
+    which this pair's forward produced before its tail (the tail has no forward operator),
+    and this pair's tail produces the input gradient the next pair's backward starts from,
+    which runs after the seam block."""
+    blocks = list(blocks)
+    head = next((i for i, b in enumerate(blocks) if b.bwd), len(blocks))
+    tail = next((i for i, b in enumerate(reversed(blocks)) if b.fwd), len(blocks))
+    if head == 0 or tail == 0 or head + tail > len(blocks):
+        return None
+    fwd = tuple(op for b in blocks[:head] for op in b.fwd)
+    bwd = tuple(op for b in blocks[len(blocks) - tail:] for op in b.bwd)
+    if shared_channels([ops_f[o] for o in fwd], [ops_b[o] for o in bwd]):
+        return None
+    return Seam(head, tail, Block(fwd, bwd))
+
+
 def merge_solo_runs(blocks: Iterable[Block]) -> list[Block]:
     """Merge consecutive blocks that hold only forward (or only backward) operators: running
     them with or without a barrier in between takes the same time, so one block is clearer."""

@@ -84,16 +84,26 @@ def _plan_costs(trainer) -> dict:
     model at hand (a plan built at start-up), also `sequential_executed_ms`: the same layer's
     forward then backward as the strand executor runs each alone, its collectives in flight
     while the strand computes what does not read them (`planner.cosched.strand_alone_ms`);
-    `sequential_ms` is the plain sum of the solo times."""
-    from planner.cosched import strand_alone_ms
+    `sequential_ms` is the plain sum of the solo times. With a seam between layer pairs
+    (`planner.blocks.layer_seam`): how much each seam saves by the block model (the head's
+    and tail's blocks against the seam block) and how many a step has ((m - 1) x
+    (layers - 1) without pipelining)."""
+    from planner.cosched import simulate_block, strand_alone_ms
 
     setup, args = trainer.dhelix, trainer.args
-    plan = setup.plan
-    pairs = None
+    plan, seam = setup.plan, setup.runner.seam
+    pairs = seams = None
     if args.pipeline_model_parallel_size == 1:
-        pairs = (args.num_microbatches - 1) * len(setup.runner.bound_layers)
+        layers = len(setup.runner.bound_layers)
+        pairs = (args.num_microbatches - 1) * layers
+        seams = (args.num_microbatches - 1) * (layers - 1) if seam is not None else 0
     out = {"sequential_ms": plan.sequential_ms, "planned_ms": plan.planned_ms,
-           "paired_layers_per_step": pairs}
+           "paired_layers_per_step": pairs, "seams_per_step": seams}
+    if setup.costs is not None and seam is not None:
+        apart = sum(b.predicted_ms for b in plan.blocks[:seam.head]) + sum(
+            b.predicted_ms for b in plan.blocks[len(plan.blocks) - seam.tail:])
+        out["seam_saving_ms"] = apart - simulate_block(seam.block.fwd, seam.block.bwd,
+                                                       setup.costs).ms
     if setup.costs is not None:
         dags = setup.runner.bound_layers[0].programs.dags()
         fwd, bwd = dags["fwd"].by_id(), dags["bwd"].by_id()

@@ -244,7 +244,8 @@ def main(argv=None) -> int:
                         help="comma-separated: a, a2, b, c (default all)")
     parser.add_argument("--systems", default=None,
                         help="comma-separated subset (default all: megatron, commfree, "
-                             "ops_sequential, domino, wavelet, dhelix, dhelix_no_barriers)")
+                             "ops_sequential, domino, wavelet, dhelix, dhelix_no_barriers, "
+                             "dhelix_no_seams)")
     parser.add_argument("--reps", type=int, default=None,
                         help="measured repetitions (default 5; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=None,

@@ -130,6 +130,29 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
     return report
 
 
+def _plan_with_a_seam(trainer) -> None:
+    """Give the DHelix trainer's layer runner a legal plan whose layer pairs meet at a seam
+    (`planner.blocks.layer_seam`), from its own strand orders: the forward up to its first
+    collective alone; the rest of the forward with the backward up to its first collective;
+    the backward up to its last collective alone; the rest alone. (The analytic-cost plans of
+    the tiny preset have no seam; profiled plans on the emulated cluster do.)"""
+    from planner.blocks import Block, Pairing, check_pairing, layer_seam
+
+    runner = trainer.dhelix.runner
+    dags = runner.bound_layers[0].programs.dags()
+    ops_f, ops_b = dags["fwd"].by_id(), dags["bwd"].by_id()
+    f, b = list(runner.fwd_order), list(runner.bwd_order)
+    first_f = next(i for i, o in enumerate(f) if ops_f[o].kind == "comm")
+    first_b = next(i for i, o in enumerate(b) if ops_b[o].kind == "comm")
+    last_b = max(i for i, o in enumerate(b) if ops_b[o].kind == "comm")
+    blocks = [Block(f[:first_f], ()), Block(f[first_f:], b[:first_b]),
+              Block((), b[first_b:last_b]), Block((), b[last_b:])]
+    check_pairing(dags["fwd"], dags["bwd"], Pairing(f, b, blocks))
+    runner.blocks = tuple(blocks)
+    runner.seam = layer_seam(blocks, ops_f, ops_b)
+    assert runner.seam is not None and (runner.seam.head, runner.seam.tail) == (1, 2)
+
+
 def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
     """For each case {name: {"tp", "sp", "pairer"}}: Megatron's no-pipelining schedule and
     the DHelix schedule from the same initial weights (same seed, same layout) and data;
@@ -145,11 +168,14 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
                           extra=base + ["--dhelix", "--dhelix-pairer", spec["pairer"],
                                         *spec.get("dhelix_extra", ())])
         trainer = build_trainer(dargs, job)
+        if spec.get("seam"):
+            _plan_with_a_seam(trainer)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
         report[name] = {"rows": compare_steps(ref_steps, got),
                         "blocks": len(trainer.dhelix.runner.blocks),
                         "plan_source": trainer.dhelix.plan_source,
-                        "num_microbatches": dargs.num_microbatches}
+                        "num_microbatches": dargs.num_microbatches,
+                        "seam": trainer.dhelix.runner.seam is not None}
     destroy_parallel_state()
     dist.barrier()
     return report

@@ -143,6 +143,11 @@ def test_spread_and_predicted_step_speedup():
         rank["plan_costs"]["dhelix"]["sequential_executed_ms"] = 46.0
     rows = {r["system"]: r for r in summarise_config(raw)["rows"]}
     assert rows["dhelix"]["predicted_speedup"] == pytest.approx(t_meg / (t_seq - 0.126))
+    # and each seam between layer pairs saves its own: 7 x 2 seams x 4 ms more
+    for rank in raw["ranks"]:
+        rank["plan_costs"]["dhelix"].update(seams_per_step=14, seam_saving_ms=4.0)
+    rows = {r["system"]: r for r in summarise_config(raw)["rows"]}
+    assert rows["dhelix"]["predicted_speedup"] == pytest.approx(t_meg / (t_seq - 0.182))
 
 
 def test_cpu_readings_split_a_busy_interval_from_a_sleeping_one():

@@ -28,6 +28,8 @@ CASES_TP2 = {
     "tp2_sequential": dict(tp=2, pairer="sequential"),
     "tp2_round_robin": dict(tp=2, pairer="round_robin"),
     "tp2_dp": dict(tp=2, pairer="dp"),
+    "tp2_dp_seam": dict(tp=2, pairer="dp", seam=True),
+    "tp2_sp_llama_dp_seam": dict(tp=2, sp=True, pairer="dp", extra=LLAMA, seam=True),
     "tp2_sp_dp": dict(tp=2, sp=True, pairer="dp"),
     "tp2_sp_llama_dp": dict(tp=2, sp=True, pairer="dp", extra=LLAMA),
     "tp2_domino": dict(tp=2, pairer="domino"),        # tiny preset: micro-batch 2 -> halves of 1
@@ -36,6 +38,7 @@ CASES_TP2 = {
 CASES_TP4 = {
     "tp4_sp_dp": dict(tp=4, sp=True, pairer="dp"),
     "tp4_round_robin": dict(tp=4, pairer="round_robin"),
+    "tp4_sp_dp_seam": dict(tp=4, sp=True, pairer="dp", seam=True),
 }
 
 
@@ -97,6 +100,13 @@ def _check(entry):
 @pytest.mark.parametrize("name", sorted(CASES_TP2) + ["tp2_plan_file"])
 def test_dhelix_matches_megatron_tp2(tp2, name):
     _check(tp2[name])
+
+
+def test_layer_pairs_meet_at_seams_only_where_the_plan_has_one(tp2, tp4):
+    """The parity rows above include plans whose layer pairs overlap at a seam (TP=2,
+    TP=2+SP with Llama layers, TP=4+SP); the tiny preset's own plans have none."""
+    seamed = {name for name, entry in {**tp2, **tp4}.items() if entry["seam"]}
+    assert seamed == {"tp2_dp_seam", "tp2_sp_llama_dp_seam", "tp4_sp_dp_seam"}
 
 
 def test_plan_file_is_used(tp2, plan_file_tp2):

@@ -16,8 +16,10 @@ row runs them - each strand alone, its collectives in flight while it computes w
 not read them (sequential_executed_ms, `planner.cosched.strand_alone_ms`; the plain sum of
 the solo times, sequential_ms, where the run recorded no cost model); a step pairs
 (m - 1) x layers of them, so the predicted step is the measured sequential operator-program
-step minus that saving, and the predicted speedup is T_megatron over it, next to the
-measured T_megatron / T_x.
+step minus that saving, and minus, where consecutive layer pairs overlap at a seam
+((m - 1) x (layers - 1) seams a step), what each seam saves by the block model
+(seam_saving_ms); the predicted speedup is T_megatron over it, next to the measured
+T_megatron / T_x.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ def _predicted_speedup(costs: dict | None, t_meg: float | None,
     if not costs or not costs.get("paired_layers_per_step") or not t_meg or not t_sequential:
         return None
     sequential = costs.get("sequential_executed_ms", costs["sequential_ms"])
-    saved_s = costs["paired_layers_per_step"] * (sequential - costs["planned_ms"]) / 1e3
+    saved_s = (costs["paired_layers_per_step"] * (sequential - costs["planned_ms"])
+               + (costs.get("seams_per_step") or 0) * costs.get("seam_saving_ms", 0.0)) / 1e3
     return t_meg / (t_sequential - saved_s) if t_sequential > saved_s else None
 
 

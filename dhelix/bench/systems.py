@@ -20,6 +20,8 @@ and strand executor (`dhelix.runtime`), so the baselines are options of one code
 - dhelix_no_barriers: the same plan with `--dhelix-no-block-barriers` (only each layer
   pair's last block waits; a block's collectives may still fly while the next block runs):
   what dropping the barriers gains or costs.
+- dhelix_no_seams: the same plan with `--dhelix-no-layer-seams` (the layer pairs of an SI
+  block strictly one after the other): what overlapping them at their seams gains.
 
 With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped schedule
 (the pairer decides how each SI block's layer pairs are interleaved); Megatron runs 1F1B.
@@ -56,6 +58,9 @@ SYSTEMS = (
     System("dhelix", "DHelix", ("--dhelix", "--dhelix-pairer", "dp"), uses_profile=True),
     System("dhelix_no_barriers", "DHelix, barrier only after each layer pair",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-block-barriers"),
+           uses_profile=True),
+    System("dhelix_no_seams", "DHelix, layer pairs without seams",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-layer-seams"),
            uses_profile=True),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from dhelix.runtime.lanes import lane_execution
-from dhelix.runtime.strand_executor import Block, run_alone, run_blocks
+from dhelix.runtime.strand_executor import Block, run_alone, run_block, run_blocks
 
 
 @dataclass
@@ -30,7 +30,9 @@ class LayerRunner:
     `timeline` (a `dhelix.runtime.timeline.Timeline`, default None) records what the
     compute thread does, for explaining step times; `block_barriers` (default True) ends
     every block of a layer pair with a barrier, as the planner's cost model assumes; False
-    ends only the last (`strand_executor.run_blocks`)."""
+    ends only the last (`strand_executor.run_blocks`). `seam` (a `planner.blocks.Seam`, or
+    None) lets consecutive layer pairs of an SI block overlap: the next pair's leading
+    forward-only blocks run together with this pair's trailing backward-only blocks."""
 
     bound_layers: Sequence
     lanes: object
@@ -39,6 +41,7 @@ class LayerRunner:
     blocks: tuple
     timeline: object = None
     block_barriers: bool = True
+    seam: object = None
 
     def __post_init__(self):
         self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
@@ -75,19 +78,33 @@ class LayerRunner:
         block by block as the plan says, with the backward of `bwd_executions[i]` (given in
         backward order). Both lists have the same length.
 
+        With a `seam`, between two layer pairs the next pair's head blocks (forward only)
+        run as one block, ended by a barrier, with this pair's tail blocks (backward only);
+        each strand still runs its operators in plan order.
+
         Returns (forward output, forward executions in forward order, input gradient of the
         last backward execution)."""
         if len(fwd_layers) != len(bwd_executions):
             raise ValueError(f"an SI block pairs layers one to one: {len(fwd_layers)} "
                              f"forward layers, {len(bwd_executions)} backward layers")
-        executions = []
-        for layer, bwd in zip(fwd_layers, bwd_executions):
+        seam, count = self.seam, len(fwd_layers)
+        executions, unfinished = [], None  # the previous pair's backward, its tail not run
+        for index, (layer, bwd) in enumerate(zip(fwd_layers, bwd_executions)):
             fwd = self.new_execution(layer)
             fwd.begin_forward(x, None, rotary_pos_emb)
+            start, end = 0, len(self.blocks)
+            if unfinished is not None:
+                run_block(fwd, unfinished, seam.block, barrier=True, timeline=self.timeline)
+                grad = unfinished.end_backward()
+                start = seam.head
             bwd.begin_backward(grad)
-            run_blocks(fwd, bwd, self.blocks, barrier=self.block_barriers,
+            unfinished = bwd if seam is not None and index < count - 1 else None
+            if unfinished is not None:
+                end -= seam.tail
+            run_blocks(fwd, bwd, self.blocks[start:end], barrier=self.block_barriers,
                        timeline=self.timeline)
             x = fwd.end_forward()
-            grad = bwd.end_backward()
+            if unfinished is None:
+                grad = bwd.end_backward()
             executions.append(fwd)
         return x, executions, grad

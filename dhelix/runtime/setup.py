@@ -46,7 +46,7 @@ from dhelix.schedules.w_schedule import build_w_schedule
 from megatron_patches.folded_model import FoldedGPTModel
 from megatron_patches.gpt_parts import GPTParts
 from planner.baselines import staggered_pairing
-from planner.blocks import check_pairing
+from planner.blocks import Seam, check_pairing, layer_seam
 from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
 from planner.plan import PlanMismatch, load_checked_plan
@@ -62,6 +62,7 @@ from profiler.profile_file import load_profile
 log = logging.getLogger(__name__)
 
 DOMINO = "domino"
+SEQUENTIAL = "sequential"
 COMMFREE_WARNING = ("--dhelix-commfree-timing-only: every TP collective of the layers is a "
                     "no-op - timing only, wrong numerics (the benchmark's communication-free "
                     "bound; never use it to train)")
@@ -203,6 +204,15 @@ def _resolve_plan(args, fwd, bwd):
     return plan, source, costs
 
 
+def plan_seam(args, plan, dags) -> Seam | None:
+    """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
+    or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
+    reference row co-executes nothing), or where the plan has no seam."""
+    if not getattr(args, "dhelix_layer_seams", True) or plan.pairer == SEQUENTIAL:
+        return None
+    return layer_seam(plan.blocks, dags["fwd"].by_id(), dags["bwd"].by_id())
+
+
 def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
                  ) -> DHelixSetup:
     """Collective over the world (creates the lane process groups, with `job`'s timeout,
@@ -251,7 +261,7 @@ def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
     plan, source, costs = _resolve_plan(args, dags["fwd"], dags["bwd"])
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
-                         block_barriers=block_barriers)
+                         block_barriers=block_barriers, seam=plan_seam(args, plan, dags))
     if pipelined:
         forward_backward = make_forward_backward_func(
             build_w_schedule, passes=FoldedOperatorPasses(parts, runner))

@@ -162,3 +162,29 @@ def test_a_strand_alone_computes_while_its_collective_is_in_flight():
                            fwd.by_id()) == pytest.approx(8.0)
     # the forward alone has no collective: the sum of its solo times
     assert strand_alone_ms(["g"], fwd.by_id(), costs, "fwd", bwd.by_id()) == pytest.approx(4.0)
+
+
+def test_layer_seam_of_a_plan():
+    """The seam pairs the next layer pair's leading forward-only blocks with this pair's
+    trailing backward-only blocks; none where a plan starts with backward operators, ends
+    with forward ones, or the two sides' collectives share a channel."""
+    from dhelix.dag import OpNode
+    from planner.blocks import Block, layer_seam
+
+    def node(op_id, kind="comp", channel="compute"):
+        return OpNode(op_id, kind=kind, channel=channel)
+
+    ops_f = {o: node(o) for o in ("ln1", "qkv", "attn", "proj", "fc2")}
+    ops_f["proj.ar"] = node("proj.ar", "comm", "inter")
+    ops_b = {o: node(o) for o in ("fc2.dgrad", "qkv.wgrad", "ln1.bwd")}
+    ops_b["qkv.ar_grad"] = node("qkv.ar_grad", "comm", "inter")
+    plan = [Block(("ln1", "qkv"), ()), Block(("attn",), ()),
+            Block(("proj", "proj.ar"), ("fc2.dgrad", "qkv.wgrad")),
+            Block(("fc2",), ()), Block((), ("qkv.ar_grad",)), Block((), ("ln1.bwd",))]
+    seam = layer_seam(plan, ops_f, ops_b)
+    assert (seam.head, seam.tail) == (2, 2)
+    assert seam.block == Block(("ln1", "qkv", "attn"), ("qkv.ar_grad", "ln1.bwd"))
+    assert layer_seam(plan[2:], ops_f, ops_b) is None      # starts with a paired block
+    assert layer_seam(plan[:4], ops_f, ops_b) is None      # ends with a forward block
+    clash = [Block(("proj.ar",), ())] + plan[4:]            # both sides on the inter link
+    assert layer_seam(clash, ops_f, ops_b) is None
