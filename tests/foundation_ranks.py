@@ -175,7 +175,8 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
                         "blocks": len(trainer.dhelix.runner.blocks),
                         "plan_source": trainer.dhelix.plan_source,
                         "num_microbatches": dargs.num_microbatches,
-                        "seam": trainer.dhelix.runner.seam is not None}
+                        "seam": trainer.dhelix.runner.seam is not None,
+                        "describe": trainer.dhelix.describe()}
     destroy_parallel_state()
     dist.barrier()
     return report

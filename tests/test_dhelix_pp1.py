@@ -107,6 +107,9 @@ def test_layer_pairs_meet_at_seams_only_where_the_plan_has_one(tp2, tp4):
     TP=2+SP with Llama layers, TP=4+SP); the tiny preset's own plans have none."""
     seamed = {name for name, entry in {**tp2, **tp4}.items() if entry["seam"]}
     assert seamed == {"tp2_dp_seam", "tp2_sp_llama_dp_seam", "tp4_sp_dp_seam"}
+    for name in seamed:  # the log line says so
+        assert "layer pairs overlap at a seam (the first 1 and last 2 blocks)" in \
+            {**tp2, **tp4}[name]["describe"]
 
 
 def test_plan_file_is_used(tp2, plan_file_tp2):

@@ -117,9 +117,14 @@ class DHelixSetup:
         return self.plan.speedup if self.plan is not None else None
 
     def describe(self) -> str:
-        """One line for logs: plan source, block count, predicted speedup, timing-only mark."""
+        """One line for logs: plan source, block count, the seam between layer pairs,
+        predicted speedup, timing-only mark."""
         blocks = len(self.plan.blocks) if self.plan is not None else len(self.runner.blocks)
         line = f"plan {self.plan_source}: {blocks} blocks"
+        seam = self.runner.seam
+        if seam is not None:
+            line += (f", layer pairs overlap at a seam (the first {seam.head} and last "
+                     f"{seam.tail} blocks)")
         if self.predicted_speedup is not None:
             line += f", predicted layer speedup {self.predicted_speedup:.3f}x"
         if self.timing_only:
