@@ -217,3 +217,16 @@ def test_cpu_readings_count_another_threads_work():
         pytest.skip("no /proc/self/task/*/schedstat here")
     assert during["other_threads"] > 0.01
     assert during["thread_run"] < during["other_threads"]
+
+
+def test_unknown_system_is_refused_before_anything_runs(tmp_path, capsys):
+    import os
+
+    from scripts.bench_systems import main
+
+    if os.geteuid() != 0:
+        pytest.skip("the benchmark refuses to start without root first")
+    assert main(["--configs", "a", "--systems", "megatron,dhelix_turbo",
+                 "--out", str(tmp_path)]) == 2
+    assert "--systems: unknown ['dhelix_turbo']" in capsys.readouterr().err
+    assert not (tmp_path / "raw").exists()  # nothing launched, nothing written
