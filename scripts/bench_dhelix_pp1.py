@@ -99,17 +99,18 @@ def _plan_costs(trainer) -> dict:
         seams = (args.num_microbatches - 1) * (layers - 1) if seam is not None else 0
     out = {"sequential_ms": plan.sequential_ms, "planned_ms": plan.planned_ms,
            "paired_layers_per_step": pairs, "seams_per_step": seams}
-    if setup.costs is not None and seam is not None:
+    if setup.costs is None:
+        return out
+    dags = setup.runner.bound_layers[0].programs.dags()
+    fwd, bwd = dags["fwd"].by_id(), dags["bwd"].by_id()
+    out["sequential_executed_ms"] = (
+        strand_alone_ms(plan.fwd_order, fwd, setup.costs, "fwd", bwd)
+        + strand_alone_ms(plan.bwd_order, bwd, setup.costs, "bwd", fwd))
+    if seam is not None:
         apart = sum(b.predicted_ms for b in plan.blocks[:seam.head]) + sum(
             b.predicted_ms for b in plan.blocks[len(plan.blocks) - seam.tail:])
         out["seam_saving_ms"] = apart - simulate_block(seam.block.fwd, seam.block.bwd,
                                                        setup.costs).ms
-    if setup.costs is not None:
-        dags = setup.runner.bound_layers[0].programs.dags()
-        fwd, bwd = dags["fwd"].by_id(), dags["bwd"].by_id()
-        out["sequential_executed_ms"] = (
-            strand_alone_ms(plan.fwd_order, fwd, setup.costs, "fwd", bwd)
-            + strand_alone_ms(plan.bwd_order, bwd, setup.costs, "bwd", fwd))
     return out
 
 

@@ -158,7 +158,7 @@ def _tokens_per_step(base: list, world_size: int) -> int:
 
 def orchestrate(ns) -> int:
     from dhelix.bench.report import bar_chart, markdown
-    from dhelix.bench.systems import CONFIGS, SYSTEMS, plan_system
+    from dhelix.bench.systems import CONFIGS, SYSTEM_NAMES, SYSTEMS, plan_system
 
     if os.geteuid() != 0:
         print("error: the benchmark runs on the emulated cluster, which needs root",
@@ -171,10 +171,10 @@ def orchestrate(ns) -> int:
               file=sys.stderr)
         return 2
     named = None if ns.systems is None else ns.systems.split(",")
-    unknown = sorted(set(named or ()) - {s.name for s in SYSTEMS})
+    unknown = sorted(set(named or ()) - set(SYSTEM_NAMES))
     if unknown:
-        print(f"error: --systems: unknown {unknown} (known: "
-              f"{', '.join(s.name for s in SYSTEMS)})", file=sys.stderr)
+        print(f"error: --systems: unknown {unknown} (known: {', '.join(SYSTEM_NAMES)})",
+              file=sys.stderr)
         return 2
     systems = [s for s in SYSTEMS if named is None or s.name in named]
     if not any(s.name == "megatron" for s in systems):
@@ -237,15 +237,15 @@ def worker(spec_path: str) -> int:
 
 
 def main(argv=None) -> int:
+    from dhelix.bench.systems import SYSTEM_NAMES
     from dhelix.cluster.comm_priority import POLICIES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="a,a2,b,c",
                         help="comma-separated: a, a2, b, c (default all)")
     parser.add_argument("--systems", default=None,
-                        help="comma-separated subset (default all: megatron, commfree, "
-                             "ops_sequential, domino, wavelet, dhelix, dhelix_no_barriers, "
-                             "dhelix_no_seams)")
+                        help=f"comma-separated subset (default all: "
+                             f"{', '.join(SYSTEM_NAMES)})")
     parser.add_argument("--reps", type=int, default=None,
                         help="measured repetitions (default 5; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=None,

@@ -8,7 +8,7 @@ import pytest
 from tests.planner.planner_reference import exhaustive_best, random_dag, random_profile
 
 from dhelix.dag import OpDAG, OpNode, topological_violation
-from planner.blocks import Block, Pairing, pairing_violation, shared_channels
+from planner.blocks import Block, Pairing, layer_seam, pairing_violation, shared_channels
 from planner.cosched import block_cost_table, op_masks, simulate_block, strand_alone_ms
 from planner.costs import build_cost_model
 from planner.dp import dp_search
@@ -168,9 +168,6 @@ def test_layer_seam_of_a_plan():
     """The seam pairs the next layer pair's leading forward-only blocks with this pair's
     trailing backward-only blocks; none where a plan starts with backward operators, ends
     with forward ones, or the two sides' collectives share a channel."""
-    from dhelix.dag import OpNode
-    from planner.blocks import Block, layer_seam
-
     def node(op_id, kind="comp", channel="compute"):
         return OpNode(op_id, kind=kind, channel=channel)
 
