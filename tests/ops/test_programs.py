@@ -256,3 +256,10 @@ def test_sdpa_attention_has_its_own_cost_keys(monkeypatch):
         assert others == [op.cost_key for op in theirs.ops if op.id != op_id]
     with pytest.raises(UnsupportedLayerError, match="core attention"):
         describe(attention="flash")
+    # a plan made for one attention is not taken for the other (default: unchanged string)
+    from dhelix.run_fingerprint import model_fingerprint
+
+    plain = model_fingerprint(parse_args(["--preset", "tiny"]))
+    assert not plain.endswith("-sdpa")
+    assert model_fingerprint(parse_args(["--preset", "tiny", "--dhelix-attention", "sdpa"])) \
+        == plain + "-sdpa"
