@@ -26,7 +26,8 @@
    (`megatron_patches.sdpa_attention`); arguments it cannot honour stop the run at parse time.
 
 Without `--dhelix` (and with the default `--dhelix-attention megatron`) every hook hands the
-call to Megatron unchanged. One fix applies to every run: the wheel's prebuilt dataset helpers are used instead of compiling them
+call to Megatron unchanged. One fix applies to every run: the wheel's prebuilt dataset
+helpers are used instead of compiling them
 (`megatron_patches.compat.use_prebuilt_dataset_helpers`).
 """
 
