@@ -20,6 +20,7 @@ parsed (`check_attention_args`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Optional
@@ -35,7 +36,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from dhelix.arguments import ATTENTION_CHOICES
+
 
 
 class SDPAttentionError(ValueError):
@@ -120,9 +124,13 @@ class SDPAttention(MegatronModule):
                                                               self.hidden_size_per_partition)
 
     def _sdpa(self, q, k, v, dropout_p: float, gqa: bool):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale,
-            enable_gqa=gqa)
+        """torch picks the fused kernel on CUDA; on CPU the math kernel (torch's reference
+        composition, rather than its CPU flash kernel)."""
+        cpu = q.device.type == "cpu"
+        with sdpa_kernel(SDPBackend.MATH) if cpu else contextlib.nullcontext():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale,
+                enable_gqa=gqa)
 
 
 def _core_attention_class(core_attention):
