@@ -30,6 +30,9 @@ from dhelix.input_checks import (  # ArgumentError is re-exported: callers impor
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # A stalled rank fails the job within a minute on dhelix's small runs (Megatron: 10).
 DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 0.75
+# --dhelix-attention: megatron-core's DotProductAttention or torch SDPA
+# (megatron_patches.sdpa_attention)
+ATTENTION_CHOICES = ("megatron", "sdpa")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +142,12 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                    help="run the layer pairs of an SI block strictly one after the other; by "
                         "default a pair's trailing backward-only blocks run together with the "
                         "next pair's leading forward-only blocks (docs/runtime.md)")
+    g.add_argument("--dhelix-attention", choices=ATTENTION_CHOICES, default="megatron",
+                   help="core attention of the local layer spec (default megatron): megatron "
+                        "is megatron-core's unfused DotProductAttention, sdpa torch's "
+                        "scaled_dot_product_attention (fused kernels on CUDA, causal masks "
+                        "only); applies with and without --dhelix "
+                        "(megatron_patches.sdpa_attention)")
     g.add_argument("--dhelix-commfree-timing-only", action="store_true",
                    help="BENCHMARK ONLY: replace every TP collective of the layers with a "
                         "no-op (timing only, wrong numerics: the communication-free bound)")

@@ -12,7 +12,9 @@ def model_fingerprint(args) -> str:
             f"-{args.normalization}-{args.position_embedding_type}"
             f"-{'swiglu' if args.swiglu else 'gelu'}"
             f"-{'nobias' if args.disable_bias_linear else 'bias'}"
-            f"-{'bf16' if args.bf16 else 'fp32'}")
+            f"-{'bf16' if args.bf16 else 'fp32'}"
+            # SDPA core attention costs differently (absent: Megatron's, older plans match)
+            f"{'-sdpa' if getattr(args, 'dhelix_attention', 'megatron') == 'sdpa' else ''}")
 
 
 def parallel_fingerprint(args) -> str:

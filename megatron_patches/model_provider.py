@@ -2,7 +2,8 @@
 
 Layer spec: Transformer Engine's where TE imports (GPU), otherwise megatron-core's local
 (torch-native) spec with `SequenceParallelTorchNorm` for every norm, so sequence parallelism
-trains with correct norm gradients on CPU.
+trains with correct norm gradients on CPU, and with `--dhelix-attention sdpa` the SDPA core
+attention (`megatron_patches.sdpa_attention`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron.core.transformer.transformer_block import (
 
 from megatron_patches.compat import has_transformer_engine
 from megatron_patches.norms import SequenceParallelTorchNorm
+from megatron_patches.sdpa_attention import SDPAttentionError, layer_spec_for
 
 
 def transformer_config_from_args(args) -> TransformerConfig:
@@ -73,13 +75,16 @@ def uses_transformer_engine(args) -> bool:
 def layer_spec(config: TransformerConfig, args) -> ModuleSpec:
     """The transformer-layer spec used for every layer of the model."""
     if uses_transformer_engine(args):
+        if getattr(args, "dhelix_attention", "megatron") != "megatron":
+            raise SDPAttentionError("--dhelix-attention sdpa replaces the local spec's core "
+                                    "attention; Transformer Engine's spec has its own")
         return get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=False, normalization=args.normalization
         )
     spec = get_gpt_layer_local_spec(normalization=args.normalization)
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    return spec
+    return layer_spec_for(spec, getattr(args, "dhelix_attention", "megatron"))
 
 
 def final_norm_spec(args):

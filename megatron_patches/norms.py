@@ -7,7 +7,8 @@ partial sums that Megatron all-reduces over the TP group only for parameters tag
 `sequence_parallel=True` (`finalize_model_grads`). Untagged, training runs but the norm
 gradients are wrong (~4e-3 off on the tiny preset). This class builds the same torch module
 and tags its parameters when SP is on; `tests/test_norms_sequence_parallel.py` keeps the
-trap covered.
+trap covered. The norm's parameters take the config's `params_dtype`, as every other
+parameter of the layer does (`tests/test_norm_dtype.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 
 class SequenceParallelTorchNorm:
-    """Factory with WrappedTorchNorm's signature; returns a torch.nn.LayerNorm/RMSNorm."""
+    """Factory with WrappedTorchNorm's signature; returns a torch.nn.LayerNorm/RMSNorm with
+    parameters of `config.params_dtype` on the CPU (moved with the model)."""
 
     def __new__(
         cls,
@@ -46,6 +48,11 @@ class SequenceParallelTorchNorm:
             zero_centered_gamma=zero_centered_gamma,
             normalization=normalization,
         )
+        # WrappedTorchNorm builds torch's default dtype (fp32) whatever params_dtype says;
+        # Megatron's Float16Module casts it later, models built without that wrapper
+        # (the profiler's layer, dhelix's trainer) would run a bf16 input against an fp32
+        # weight, which torch's fused RMSNorm refuses (slow fallback, a warning per call).
+        norm.to(dtype=config.params_dtype)
         if config.sequence_parallel:
             for param in norm.parameters():
                 param.sequence_parallel = True

@@ -20,8 +20,14 @@
    (`dhelix.runtime.setup.setup_dhelix`); Megatron's no_sync / grad-sync / param-sync /
    finalize hooks reach it through the model config, as they reach Megatron's schedules.
 
-Without `--dhelix` every hook hands the call to Megatron unchanged. One fix applies to every
-run: the wheel's prebuilt dataset helpers are used instead of compiling them
+4. Core attention (`megatron.training.models.gpt.default_layer_spec`, called by
+   `GPTModelBuilder.build_model`): with `--dhelix-attention sdpa`, with or without `--dhelix`,
+   the local spec's `DotProductAttention` becomes `SDPAttention`
+   (`megatron_patches.sdpa_attention`); arguments it cannot honour stop the run at parse time.
+
+Without `--dhelix` (and with the default `--dhelix-attention megatron`) every hook hands the
+call to Megatron unchanged. One fix applies to every run: the wheel's prebuilt dataset
+helpers are used instead of compiling them
 (`megatron_patches.compat.use_prebuilt_dataset_helpers`).
 """
 
@@ -51,6 +57,7 @@ def _hook_parse_args(arguments) -> None:
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         args = original(_with_dhelix_args(extra_args_provider), ignore_unknown_args)
         cpu_arguments(args)
+        _check_attention(args)
         if args.dhelix:
             from dhelix.launch import ERROR_EXIT_CODE, report_error
             from dhelix.megatron_lm_checks import UnsupportedArgument, check_dhelix_args
@@ -64,6 +71,15 @@ def _hook_parse_args(arguments) -> None:
 
     parse_args.__dhelix_original__ = original  # read by `install_training_hooks`
     arguments.parse_args = parse_args
+
+
+def _check_attention(args) -> None:
+    from megatron_patches.sdpa_attention import SDPAttentionError, check_attention_args
+
+    try:
+        check_attention_args(args)
+    except SDPAttentionError as exc:
+        _fail(str(exc))
 
 
 class _Run:
@@ -183,6 +199,24 @@ def _dhelix_view(args):
     return view
 
 
+def _hook_default_layer_spec(gpt_models) -> None:
+    """`--dhelix-attention sdpa`, stock and `--dhelix` alike: the spec Megatron's
+    `default_layer_spec` returns (called by `GPTModelBuilder.build_model` and
+    `build_folded_stage`) gets SDPA core attention (`megatron_patches.sdpa_attention`)."""
+    from megatron_patches.sdpa_attention import SDPAttentionError, layer_spec_for
+
+    original = gpt_models.default_layer_spec
+
+    @functools.wraps(original)
+    def default_layer_spec(config, vp_stage):
+        try:
+            return layer_spec_for(original(config, vp_stage), _megatron_args().dhelix_attention)
+        except SDPAttentionError as exc:
+            _fail(str(exc))
+
+    gpt_models.default_layer_spec = default_layer_spec
+
+
 def _hook_training(training) -> None:
     setup_model_and_optimizer = training.setup_model_and_optimizer
     get_forward_backward_func = training.get_forward_backward_func
@@ -244,5 +278,6 @@ def install_training_hooks() -> None:
     use_prebuilt_dataset_helpers()
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
+    _hook_default_layer_spec(gpt_models)
     _hook_training(training)
     _hook_parse_args(arguments)

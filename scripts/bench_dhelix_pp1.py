@@ -134,6 +134,41 @@ def _link_floor(trainer, repeats: int = 3) -> dict:
     return out
 
 
+def build_trainers(megatron_args: list, systems: dict) -> dict:
+    """Every rank (joins the torchrun-style process group first): one `Trainer` per system
+    (name -> extra arguments added to `megatron_args`), each from the same seed, so the same
+    initial weights and data.
+
+    Systems with the same layout share Megatron's groups (only the folded model's embedding
+    group differs, and a layout change rebuilds them): every idle gloo group costs the
+    running one (its transport thread wakes every 10 ms; 60 idle groups made Megatron's step
+    5-17% longer), and each init creates ~20. Every trainer keeps references to its own model
+    and groups, its finalize_model_grads included (dhelix.training.Trainer.build). For the
+    same reason the DHelix-runtime systems share their lane groups (`LanePool`)."""
+    from dhelix.arguments import parse_args
+    from dhelix.folding import uses_folded_model
+    from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
+        init_process_group_from_env
+    from dhelix.runtime.lanes import LanePool
+    from dhelix.training import Trainer
+    from megatron.core import parallel_state
+    from megatron_patches.stage_rng import seed_pipeline_stage
+
+    job = init_process_group_from_env()
+    trainers, layout, lane_pool = {}, None, LanePool()
+    for name, extra in systems.items():
+        args = parse_args(megatron_args + list(extra))
+        sizes = ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        folded = uses_folded_model(args)
+        if (sizes, folded) != layout:
+            init_megatron_parallel_state(sizes, args.seed, job, folded=folded)
+            layout = (sizes, folded)
+        else:
+            seed_pipeline_stage(args.seed, parallel_state.get_pipeline_model_parallel_rank())
+        trainers[name] = Trainer.build(args, job, lane_pool=lane_pool)
+    return trainers
+
+
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
                systems: dict | None = None) -> dict:
     """Every rank: build one trainer per system (`systems`: name -> extra arguments added
@@ -146,36 +181,10 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     per system using the DHelix runtime, its plan description and timeline totals."""
     import torch.distributed as dist
 
-    from dhelix.arguments import parse_args
     from dhelix.bench.cpu_time import CpuTimes
-    from dhelix.folding import uses_folded_model
     from dhelix.memtrace import measure_peak
-    from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
-        init_process_group_from_env
-    from dhelix.runtime.lanes import LanePool
-    from dhelix.training import Trainer
-    from megatron.core import parallel_state
-    from megatron_patches.stage_rng import seed_pipeline_stage
 
-    job = init_process_group_from_env()
-    trainers, layout, lane_pool = {}, None, LanePool()
-    for name, extra in (systems or DEFAULT_SYSTEMS).items():
-        args = parse_args(megatron_args + list(extra))
-        sizes = ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        folded = uses_folded_model(args)
-        if (sizes, folded) != layout:
-            init_megatron_parallel_state(sizes, args.seed, job, folded=folded)
-            layout = (sizes, folded)
-        else:
-            seed_pipeline_stage(args.seed, parallel_state.get_pipeline_model_parallel_rank())
-        trainers[name] = Trainer.build(args, job, lane_pool=lane_pool)
-    # Systems with the same layout share Megatron's groups (only the folded model's
-    # embedding group differs, and a layout change rebuilds them): every idle gloo group
-    # costs the running one (its transport thread wakes every 10 ms; 60 idle groups made
-    # Megatron's step 5-17% longer), and each init creates ~20. Every trainer starts from
-    # the same seed, so from the same weights, and keeps references to its own model and
-    # groups, its finalize_model_grads included (dhelix.training.Trainer.build). For the
-    # same reason the DHelix-runtime systems share their lane groups (`lane_pool`).
+    trainers = build_trainers(megatron_args, systems or DEFAULT_SYSTEMS)
     times = {name: [] for name in trainers}
     first_loss = {}  # every system's first step (same weights and data: equal losses)
     # where a measured step went: forward/backward (what a recorded step covers), the

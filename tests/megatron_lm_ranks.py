@@ -28,6 +28,7 @@ class _Recorder:
 
     steps: list = []
     pairs: int = 0
+    attention: set = set()  # class names of the model's core-attention modules
 
 
 def _counting_pairs(run_paired):
@@ -60,6 +61,8 @@ def _recording(get_forward_backward_func):
         def recorded(**step):
             if step.get("forward_only"):
                 return forward_backward(**step)
+            _Recorder.attention |= {type(m.core_attention).__name__ for chunk in step["model"]
+                                    for m in chunk.modules() if hasattr(m, "core_attention")}
             params = gather_full_tensors(step["model"], "param")
             losses = forward_backward(**step)
             grads = gather_full_tensors(step["model"], "grad")
@@ -100,7 +103,7 @@ def pretrain_in_process(argv: list[str]) -> list:
     from dhelix.megatron_lm import run_script
 
     install_recorder()
-    _Recorder.steps, _Recorder.pairs = [], 0
+    _Recorder.steps, _Recorder.pairs, _Recorder.attention = [], 0, set()
     try:
         run_script(SCRIPT, list(argv))
     finally:
@@ -125,16 +128,19 @@ def compare_runs(stock: list, dhelix: list) -> dict:
 
 def parity_body(ctx, cases: dict, train_iters: int) -> dict:
     """For each case NAME -> extra Megatron arguments: train stock Megatron, then the same
-    command line with --dhelix, and compare them step by step (rank 0 returns the report)."""
+    command line with --dhelix, and compare them step by step (rank 0 returns the report,
+    with the core-attention classes each run's model used)."""
     report = {}
     for name, extra in cases.items():
         argv = TINY + ["--train-iters", str(train_iters)] + list(extra)
         stock = pretrain_in_process(argv)
+        stock_attention = sorted(_Recorder.attention)
         dhelix = pretrain_in_process(argv + ["--dhelix"])
         pairs = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, _Recorder.pairs)
         if ctx.rank == 0:
-            report[name] = {**compare_runs(stock, dhelix), "pairs": pairs}
+            report[name] = {**compare_runs(stock, dhelix), "pairs": pairs,
+                            "attention": (stock_attention, sorted(_Recorder.attention))}
     return report
 
 

@@ -5,7 +5,9 @@ gradient after the schedule and every parameter before the step (so the initial 
 each update) are compared, layout-independently (`dhelix.parity`). Layouts: TP2 + SP (x DP2,
 PP=1: the SI schedule), TP2 x PP2 (folded model, W schedule), TP2 x DP2 with the distributed
 optimizer and Adam, and a Llama-style layer (RMSNorm, RoPE, SwiGLU, GQA, no bias, untied
-output layer) with TP2 x PP2 + SP. Run with -s to see the measured differences."""
+output layer) with TP2 x PP2 + SP, and the Llama layer with SDPA core attention
+(`--dhelix-attention sdpa` in both runs) at TP2 + SP x DP2. Run with -s to see the measured
+differences."""
 
 import pytest
 
@@ -27,6 +29,8 @@ CASES = {
     "tp2_pp2": TP2 + PP2,
     "tp2_dp2_distopt_adam": TP2 + ["--use-distributed-optimizer", "--optimizer", "adam"],
     "llama_tp2_pp2_sp": TP2 + PP2 + ["--sequence-parallel"] + LLAMA,
+    # SDPA core attention in both runs (stock Megatron builds the SDPA spec too); GQA 2:1
+    "llama_sdpa_tp2_sp_dp2": TP2 + ["--sequence-parallel", "--dhelix-attention", "sdpa"] + LLAMA,
 }
 
 
@@ -47,6 +51,8 @@ def report():
 def test_dhelix_matches_megatron_in_pretrain(report, name):
     case = report[name]
     assert case["steps"] == (STEPS, STEPS)
+    core = ["SDPAttention"] if "sdpa" in name else ["DotProductAttention"]
+    assert case["attention"] == (core, core)
     # Same seed, same weights: identical initial parameters, not merely close.
     assert case["rows"][0]["param_diff"] == 0.0, case["rows"][0]["param_key"]
     for row in case["rows"]:

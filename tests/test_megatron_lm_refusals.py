@@ -76,3 +76,24 @@ def test_refusal_through_the_launcher():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --dhelix does not support --recompute-granularity full")
     assert "initializing torch distributed" not in proc.stdout
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--reset-attention-mask"], "--reset-attention-mask"),
+    (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
+     "--spec"),
+])
+def test_sdpa_attention_refuses_stock_runs_it_cannot_honour(extra, named, monkeypatch):
+    """`--dhelix-attention sdpa` also applies without `--dhelix`: a mask that is not plain
+    causal, or a user layer spec it would not reach, stops stock runs in one line."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    argv = TINY + ["--train-iters", "1"] + extra
+    code, err = _parse(argv + ["--dhelix-attention", "sdpa"])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: --dhelix-attention sdpa") and named in lines[0], lines[0]
+    assert not dist.is_initialized()
+    assert _parse(argv)[0] is None  # Megatron's own attention takes it

@@ -1,8 +1,9 @@
 """Binding of operator programs to a live megatron-core TransformerLayer.
 
 `LayerBinding` checks that a layer is one the programs implement (dense GPT/Llama layer of
-the local spec: torch norms, ColumnParallelLinear/RowParallelLinear, DotProductAttention)
-and resolves the module paths named by operators to that layer's own modules. Nothing is
+the local spec: torch norms, ColumnParallelLinear/RowParallelLinear, DotProductAttention or
+`--dhelix-attention sdpa`'s SDPAttention) and resolves the module paths named by operators
+to that layer's own modules. Nothing is
 copied: the kernels use the layer's parameter objects, so checkpoints and the optimizer see
 the same tensors.
 """
@@ -40,6 +41,8 @@ def check_supported_layer(layer) -> None:
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron_patches.sdpa_attention import SDPAttention
+
     _require(isinstance(layer, TransformerLayer),
              f"expected a megatron-core TransformerLayer, got {type(layer).__name__}")
     for module in layer.modules():
@@ -55,8 +58,8 @@ def check_supported_layer(layer) -> None:
              f"linear_qkv must be ColumnParallelLinear, got {type(attn.linear_qkv).__name__}")
     _require(isinstance(attn.linear_proj, RowParallelLinear),
              f"linear_proj must be RowParallelLinear, got {type(attn.linear_proj).__name__}")
-    _require(isinstance(attn.core_attention, DotProductAttention),
-             f"core_attention must be DotProductAttention, got "
+    _require(isinstance(attn.core_attention, (DotProductAttention, SDPAttention)),
+             f"core_attention must be DotProductAttention or SDPAttention, got "
              f"{type(attn.core_attention).__name__}")
     _require(isinstance(layer.cross_attention, IdentityOp)
              and isinstance(layer.pre_cross_attn_layernorm, IdentityOp),
@@ -100,6 +103,14 @@ class LayerBinding:
         self.tp_group = layer.pg_collection.tp
         self._modules: dict[str, torch.nn.Module] = {}
 
+    @property
+    def attention(self) -> str:
+        """The layer's core attention as `--dhelix-attention` names it."""
+        from megatron_patches.sdpa_attention import SDPAttention
+
+        core = self.layer.self_attention.core_attention
+        return "sdpa" if isinstance(core, SDPAttention) else "megatron"
+
     def module(self, path: str) -> torch.nn.Module:
         found = self._modules.get(path)
         if found is None:
@@ -119,7 +130,7 @@ class LayerBinding:
         ranks = dist.get_process_group_ranks(self.tp_group) if dist.is_initialized() else [0]
         desc = LayerDescription.from_config(
             self.config, seq_length, micro_batch_size, rope=rope, tp_ranks=ranks,
-            topology=topology,
+            topology=topology, attention=self.attention,
         )
         self._check_shapes(desc)
         return desc

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from dhelix.arguments import ATTENTION_CHOICES
 from dhelix.topology import NodeTopology, tensor_parallel_ranks
 
 DROPOUT_POLICY = (
@@ -66,6 +67,7 @@ class LayerDescription:
     add_qkv_bias: Optional[bool] = None  # None: same as add_bias_linear (Megatron's rule)
     rope: bool = False
     causal: bool = True
+    attention: str = "megatron"  # core attention: "megatron" (DotProductAttention) or "sdpa"
     dtype: str = "float32"
     tp_ranks: tuple = ()
     topology: NodeTopology = field(default_factory=NodeTopology)
@@ -107,6 +109,9 @@ class LayerDescription:
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise UnsupportedLayerError(f"normalization {self.normalization!r} is not supported")
+        if self.attention not in ATTENTION_CHOICES:
+            raise UnsupportedLayerError(f"core attention {self.attention!r} is not one of "
+                                        f"{', '.join(ATTENTION_CHOICES)}")
 
     # ------------------------------------------------------------- derived sizes
     @property
@@ -154,6 +159,11 @@ class LayerDescription:
         return self.topology.channel_for_group(self.tp_ranks)
 
     @property
+    def attention_kernel(self) -> str:
+        """Cost-key name of the attention region: its core attention differs in cost."""
+        return "sdpa_attention" if self.attention == "sdpa" else "attention"
+
+    @property
     def activation_kernel(self) -> str:
         if self.gated_linear_unit:
             return {"silu": "swiglu", "gelu": "geglu"}.get(self.activation, f"glu_{self.activation}")
@@ -166,7 +176,7 @@ class LayerDescription:
             f"s={self.seq_length}", f"b={self.micro_batch_size}", f"tp={self.tp_size}",
             "sp" if self.sequence_parallel else "no-sp", self.normalization,
             self.activation_kernel, "bias" if self.add_bias_linear else "no-bias",
-            "rope" if self.rope else "abs-pos", self.dtype,
+            "rope" if self.rope else "abs-pos", f"{self.attention} attention", self.dtype,
             f"tp-group {list(self.tp_ranks)} on {self.tp_channel} ({self.topology.describe()})",
         ]
         return ", ".join(parts)
@@ -175,8 +185,10 @@ class LayerDescription:
     @classmethod
     def from_config(cls, config, seq_length: int, micro_batch_size: int, *, rope: bool,
                     tp_ranks: Optional[Sequence[int]] = None,
-                    topology: Optional[NodeTopology] = None) -> "LayerDescription":
-        """Description of a layer built from a megatron-core TransformerConfig.
+                    topology: Optional[NodeTopology] = None,
+                    attention: str = "megatron") -> "LayerDescription":
+        """Description of a layer built from a megatron-core TransformerConfig (its core
+        attention `attention`, which the config does not record).
 
         Raises UnsupportedLayerError for configurations the programs do not implement.
         """
@@ -198,6 +210,7 @@ class LayerDescription:
             add_bias_linear=bool(config.add_bias_linear),
             add_qkv_bias=bool(config.add_bias_linear or config.add_qkv_bias),
             rope=rope,
+            attention=attention,
             dtype=dtype_name(config.params_dtype),
             tp_ranks=tuple(tp_ranks) if tp_ranks is not None else tuple(tensor_parallel_ranks(tp)),
             topology=topology or NodeTopology.detect(),
@@ -215,7 +228,7 @@ class LayerDescription:
             config, args.seq_length, args.micro_batch_size,
             rope=args.position_embedding_type == "rope",
             tp_ranks=tensor_parallel_ranks(args.tensor_model_parallel_size, rank),
-            topology=topology,
+            topology=topology, attention=getattr(args, "dhelix_attention", "megatron"),
         )
 
 

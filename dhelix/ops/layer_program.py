@@ -225,7 +225,7 @@ def build_layer_programs(desc: LayerDescription) -> LayerPrograms:
         input="x", output="h1", norm="ln1", norm_module="input_layernorm",
         col="qkv", col_module="self_attention.linear_qkv", col_width=d.qkv_out_per_rank,
         col_bias=d.add_qkv_bias, region="attn", region_kernel="attention_fwd",
-        region_class="attention", region_module="self_attention", region_key="attention",
+        region_class="attention", region_module="self_attention", region_key=d.attention_kernel,
         region_dims=dict(s=d.seq_length, b=d.micro_batch_size, heads=d.heads_per_rank,
                          groups=d.groups_per_rank, d=d.kv_channels, rope=d.rope,
                          causal=d.causal),

@@ -231,3 +231,35 @@ def test_program_validation_refuses_broken_data_flow():
     programs = LayerPrograms(None, fwd, bwd, values)
     assert programs.saved == ("a",)
     assert programs.consumers["a"] == {"g", "fb"}
+
+
+def test_sdpa_attention_has_its_own_cost_keys(monkeypatch):
+    """`--dhelix-attention sdpa`: the same operators, the attention region's forward and
+    backward (its dgrad; core attention has no weights) under SDPA's own cost keys, so a
+    profile never serves one attention's time for the other."""
+    from dhelix.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    megatron = LayerDescription.from_args(parse_args(["--preset", "tiny"]))
+    sdpa = LayerDescription.from_args(parse_args(["--preset", "tiny", "--dhelix-attention",
+                                                  "sdpa"]))
+    assert (megatron.attention, sdpa.attention) == ("megatron", "sdpa")
+    assert "sdpa attention" in sdpa.summary()
+    a, b = build_layer_programs(megatron), build_layer_programs(sdpa)
+    for direction, op_id in (("forward", "attn"), ("backward", "attn.bwd")):
+        ours, theirs = getattr(b, direction), getattr(a, direction)
+        assert [op.id for op in ours.ops] == [op.id for op in theirs.ops]
+        assert ours[op_id].cost_key == theirs[op_id].cost_key.replace("attention.",
+                                                                       "sdpa_attention.", 1)
+        assert ours[op_id].cost_key.startswith("sdpa_attention."), ours[op_id].cost_key
+        others = [op.cost_key for op in ours.ops if op.id != op_id]
+        assert others == [op.cost_key for op in theirs.ops if op.id != op_id]
+    with pytest.raises(UnsupportedLayerError, match="core attention"):
+        describe(attention="flash")
+    # a plan made for one attention is not taken for the other (default: unchanged string)
+    from dhelix.run_fingerprint import model_fingerprint
+
+    plain = model_fingerprint(parse_args(["--preset", "tiny"]))
+    assert not plain.endswith("-sdpa")
+    assert model_fingerprint(parse_args(["--preset", "tiny", "--dhelix-attention", "sdpa"])) \
+        == plain + "-sdpa"

@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""One-GPU benchmark: stock Megatron with its local spec, stock Megatron with the SDPA
+attention spec, and the `--dhelix` runtime (sequential pairer and DP plan), side by side in
+one run, repetitions interleaved (A B C D A B C D ...) so machine noise hits every row
+alike. Prints one table.
+
+    PYTHONPATH=/tmp/site:. python scripts/bench_gpu.py                 # Llama-8B-shaped
+    PYTHONPATH=. .venv/bin/python scripts/bench_gpu.py --quick         # tiny model, CPU
+
+Every row is dhelix's `Trainer` (megatron-core's model, optimizer and, without `--dhelix`,
+schedule) built from the same seed in one process (`scripts.bench_dhelix_pp1.build_trainers`),
+so the same initial weights and data: the loss of every row is checked to be equal at every
+repetition (and printed). Per row: step time min / median / max over the measured
+repetitions (CUDA events on CUDA; wall clock on CPU, labelled), TFLOP/s per GPU by
+Megatron's own count (`megatron.training.training.num_floating_point_operations`) and, on
+CUDA, the step's peak memory above what was allocated before it
+(`torch.cuda.max_memory_allocated`; every row's model and optimizer stay resident, so
+absolute readings would count the other rows' state). See docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# 4 Llama-8B-shaped layers, bf16. The vocabulary is cut to 32000 and the optimizer is SGD so
+# that four rows' weights, fp32 main weights and gradients (~11 GB each) fit one 80 GB GPU.
+DEFAULT_MODEL = ["--preset", "llama8b", "--num-layers", "4", "--vocab-size", "32000",
+                 "--global-batch-size", "8", "--train-iters", "1000", "--optimizer", "sgd",
+                 "--bf16"]
+QUICK_MODEL = ["--preset", "tiny", "--num-layers", "2", "--global-batch-size", "4",
+               "--train-iters", "1000"]
+# |loss - loss of the stock row with the same attention| (same operations, other order)
+# and |loss(stock, SDPA) - loss(stock, Megatron's attention)| (other attention kernels).
+LOSS_TOLERANCE = {"fp32": {"same": 1e-5, "cross": 1e-4},
+                  "bf16": {"same": 1e-3, "cross": 5e-2}}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    label: str
+    args: tuple
+    attention: str
+
+
+def rows_for(dhelix_attention: str) -> tuple:
+    """The benchmark's rows; the `--dhelix` rows use `dhelix_attention`."""
+    dhelix = ("--dhelix-attention", dhelix_attention)
+    return (
+        Row("stock", "stock Megatron, local spec", ("--dhelix-attention", "megatron"),
+            "megatron"),
+        Row("stock_sdpa", "stock Megatron, SDPA spec", ("--dhelix-attention", "sdpa"), "sdpa"),
+        Row("dhelix_sequential", "--dhelix sequential",
+            ("--dhelix", "--dhelix-pairer", "sequential", *dhelix), dhelix_attention),
+        Row("dhelix_dp", "--dhelix dp", ("--dhelix", "--dhelix-pairer", "dp", *dhelix),
+            dhelix_attention),
+    )
+
+
+class StepTimer:
+    """Seconds of one call: CUDA events on CUDA (the GPU's time between two points of the
+    stream, the call included), wall clock (`time.perf_counter`) on CPU."""
+
+    def __init__(self):
+        import torch
+
+        self.cuda = torch.cuda.is_available()
+        self.kind = "CUDA events" if self.cuda else "wall clock"
+
+    def time(self, fn):
+        import torch
+
+        if not self.cuda:
+            start = time.perf_counter()
+            result = fn()
+            return result, time.perf_counter() - start
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) / 1e3
+
+
+def megatron_flops_per_step(args, world_size: int) -> float:
+    """Megatron's FLOP count of one global batch for the model `args` (dhelix's Megatron
+    names) describe: `num_floating_point_operations` over Megatron's own argument defaults
+    with this model's values on top."""
+    from megatron.training import arguments
+    from megatron.training.training import num_floating_point_operations
+
+    argv, sys.argv = sys.argv, [sys.argv[0]]
+    try:
+        defaults = arguments.parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = argv
+    view = argparse.Namespace(**{**vars(defaults), **vars(args)})
+    view.group_query_attention = True  # num_query_groups is resolved (= heads without GQA)
+    view.world_size = world_size
+    return float(num_floating_point_operations(view, args.global_batch_size))
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def bench_body(ctx, megatron_args: list, rows: list, reps: int, warmup: int) -> dict:
+    """Every rank: build one trainer per row, then `warmup` + `reps` rounds of one training
+    step of every row in turn. Returns this rank's per-row step seconds and losses (every
+    round, warm-up included: the rows train in lockstep from the same weights), step peak
+    bytes above the resident ones (CUDA; None on CPU), the FLOPs per step and the device."""
+    import torch
+    import torch.distributed as dist
+
+    from scripts.bench_dhelix_pp1 import build_trainers
+
+    trainers = build_trainers(megatron_args, {r.name: list(r.args) for r in rows})
+    timer = StepTimer()
+    times = {name: [] for name in trainers}
+    losses = {name: [] for name in trainers}
+    peak = {name: None for name in trainers}
+    for i in range(warmup + reps):
+        for name, trainer in trainers.items():
+            dist.barrier()
+            if timer.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()
+            result, seconds = timer.time(trainer.train_step)
+            losses[name].append(result.loss)
+            if i >= warmup:
+                times[name].append(seconds)
+                if timer.cuda:
+                    step_peak = torch.cuda.max_memory_allocated() - resident
+                    peak[name] = max(peak[name] or 0, step_peak)
+    first = next(iter(trainers.values())).args
+    return {"rank": ctx.rank, "times": times, "losses": losses, "peak_bytes": peak,
+            "timing": timer.kind, "device": device_name(),
+            "flops_per_step": megatron_flops_per_step(first, dist.get_world_size()),
+            "world_size": dist.get_world_size(), "bf16": bool(first.bf16)}
+
+
+def check_losses(rows: list, losses: dict, bf16: bool) -> list:
+    """One line per failed check (empty: every row's loss equals its reference within the
+    stated tolerance at every repetition). Reference: the stock row with the same
+    attention; the two stock rows are compared with the cross-attention tolerance."""
+    tol = LOSS_TOLERANCE["bf16" if bf16 else "fp32"]
+    stock_of = {"megatron": "stock", "sdpa": "stock_sdpa"}
+    problems = []
+    pairs = [(r.name, stock_of[r.attention], tol["same"]) for r in rows
+             if r.name != stock_of[r.attention]]
+    pairs.append(("stock_sdpa", "stock", tol["cross"]))
+    for name, reference, bound in pairs:
+        for i, (a, b) in enumerate(zip(losses[name], losses[reference])):
+            if not abs(a - b) <= bound:
+                problems.append(f"{name} vs {reference}, step {i + 1}: loss {a:.6f} vs "
+                                f"{b:.6f}, |diff| {abs(a - b):.2e} > {bound:g}")
+    return problems
+
+
+def summarise(rows: list, results: list) -> dict:
+    """The table's numbers: per row the slowest rank's step time per repetition (min /
+    median / max), TFLOP/s per GPU at the median, the largest step peak over the ranks,
+    the losses (rank 0), and the loss check."""
+    r0 = results[0]
+    table = []
+    for row in rows:
+        per_rep = [max(rep) for rep in zip(*(r["times"][row.name] for r in results))]
+        median = statistics.median(per_rep)
+        peaks = [r["peak_bytes"][row.name] for r in results]
+        table.append({
+            "row": row.name, "label": row.label, "attention": row.attention,
+            "step_s_min_median_max": (min(per_rep), median, max(per_rep)),
+            "tflops_per_gpu": r0["flops_per_step"] / median / r0["world_size"] / 1e12,
+            "peak_bytes": None if None in peaks else max(peaks),
+            "losses": r0["losses"][row.name]})
+    problems = check_losses(rows, r0["losses"], r0["bf16"])
+    return {"device": r0["device"], "timing": r0["timing"], "rows": table,
+            "loss_check": problems, "flops_per_step": r0["flops_per_step"]}
+
+
+def table(summary: dict, megatron_args: list, reps: int, warmup: int) -> str:
+    from dhelix.bench.report import _fmt
+
+    lines = [f"Device: {summary['device']}; timing: {summary['timing']}; {reps} measured "
+             f"repetitions after {warmup} warm-up, interleaved across rows.",
+             f"Model: {' '.join(megatron_args)}", "",
+             "| row | attention | step ms min / median / max | TFLOP/s per GPU or rank (Megatron's "
+             "count) | step peak memory (MiB, torch.cuda.max_memory_allocated) | losses |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
+    for row in summary["rows"]:
+        low, median, high = (t * 1e3 for t in row["step_s_min_median_max"])
+        peak = row["peak_bytes"]
+        lines.append(f"| {row['label']} | {row['attention']} | {low:.1f} / {median:.1f} / "
+                     f"{high:.1f} | {row['tflops_per_gpu']:.3g} | "
+                     f"{_fmt(peak and peak / 2**20, '{:.0f}', 'n/a (CPU)')} | "
+                     + ", ".join(f"{x:.6f}" for x in row["losses"]) + " |")
+    problems = summary["loss_check"]
+    lines += ["", "Loss check (every row vs the stock row with its attention; SDPA vs "
+              "Megatron attention within the cross-kernel tolerance): "
+              + ("PASS" if not problems else "FAIL")] + [f"  {p}" for p in problems]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from dhelix.arguments import ATTENTION_CHOICES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=None,
+                        help="measured repetitions per row (default 10; 2 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="unmeasured rounds first (default 2; 1 with --quick)")
+    parser.add_argument("--dhelix-rows-attention", choices=ATTENTION_CHOICES, default="sdpa",
+                        help="core attention of the two --dhelix rows (default sdpa; the "
+                             "stock rows are one of each)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny 2-layer model (CPU smoke test; wall-clock timing there)")
+    parser.add_argument("--json", default=None, help="also write the summary here")
+    parser.add_argument("--timeout", type=int, default=1800,
+                        help="seconds before the benchmark's process is stopped")
+    parser.add_argument("model_args", nargs=argparse.REMAINDER,
+                        help="after --: Megatron model arguments replacing the default model")
+    ns = parser.parse_args(argv)
+    model = ns.model_args[1:] if ns.model_args[:1] == ["--"] else ns.model_args
+    model = model or (QUICK_MODEL if ns.quick else DEFAULT_MODEL)
+    reps = ns.reps if ns.reps is not None else (2 if ns.quick else 10)
+    warmup = ns.warmup if ns.warmup is not None else (1 if ns.quick else 2)
+    if reps < 1 or warmup < 0:
+        print("error: --reps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    rows = rows_for(ns.dhelix_rows_attention)
+    from dhelix.arguments import ArgumentError, parse_args
+    from dhelix.harness import run_on_ranks
+
+    try:
+        for row in rows:
+            parse_args(model + list(row.args), world_size=1)
+    except ArgumentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results = run_on_ranks(bench_body, 1, model, rows, reps, warmup, timeout_s=ns.timeout)
+    summary = summarise(rows, results)
+    print(table(summary, model, reps, warmup))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"megatron_args": model, "reps": reps,
+                                             "warmup": warmup, **summary}, indent=1))
+    return 1 if summary["loss_check"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
