@@ -45,3 +45,16 @@ def test_quick_start_with_and_without_dhelix():
     # list on the schedule engine with --dhelix)
     for i in stock:  # the log prints 7 significant digits
         assert abs(stock[i] - dhelix[i]) <= 1e-5 * abs(stock[i])
+
+
+def test_quick_start_without_pipelining_with_and_without_dhelix():
+    """The same command line with PP=1 (TP2 x DP2): --dhelix trains with the one-stage SI
+    list and evaluate() runs the forward-only list on the same engine (not Megatron's
+    schedule); training and validation losses are Megatron's."""
+    pp1 = ["--pipeline-model-parallel-size", "1"]  # the last value wins
+    stock, _ = _train(pp1)
+    dhelix, out = _train(pp1 + ["--dhelix"])
+    assert "dhelix: SI schedule" in out
+    print(f"stock: {stock}\n--dhelix: {dhelix}")
+    for i in stock:
+        assert abs(stock[i] - dhelix[i]) <= 1e-5 * abs(stock[i])
