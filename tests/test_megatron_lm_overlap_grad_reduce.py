@@ -10,8 +10,7 @@ differences."""
 
 import pytest
 
-from dhelix.harness import run_on_ranks
-from tests.megatron_lm_ranks import parity_body
+from tests.megatron_lm_ranks import assert_parity, launch_parity
 
 FP32_LOSS = 2e-6
 FP32_GRAD = 2e-7    # the Domino split sums a weight gradient over two halves, then adds
@@ -20,7 +19,7 @@ STEPS = 2
 
 OVERLAP = ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "--optimizer", "sgd",
            "--lr", "0.05"]
-CASES = {
+CASES = {  # (the stock run of the Domino case parses --dhelix-pairer and ignores it)
     "tp2_dp2_overlap_si": OVERLAP,
     "tp2_dp2_overlap_domino": OVERLAP + ["--dhelix-pairer", "domino"],
 }
@@ -28,22 +27,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def report():
-    # (the stock run of the Domino case parses --dhelix-pairer and ignores it)
-    result = run_on_ranks(parity_body, 4, CASES, STEPS, timeout_s=600,
-                          env={"OMP_NUM_THREADS": "1"})[0]
-    for name, case in result.items():
-        for i, row in enumerate(case["rows"]):
-            print(f"{name} step {i + 1}: loss {row['loss']:.6f} diff {row['loss_diff']:.1e}, "
-                  f"grad diff {row['grad_diff']:.1e} ({row['grad_key']}), param diff "
-                  f"{row['param_diff']:.1e}")
-    return result
+    return launch_parity(CASES, STEPS)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_overlap_grad_reduce_matches_megatron(report, name):
-    case = report[name]
-    assert case["steps"] == (STEPS, STEPS)
-    for row in case["rows"]:
-        assert row["loss_diff"] <= FP32_LOSS
-        assert row["grad_diff"] <= FP32_GRAD, row["grad_key"]
-        assert row["param_diff"] <= FP32_PARAM, row["param_key"]
+    assert_parity(report[name], STEPS, FP32_LOSS, FP32_GRAD, FP32_PARAM)
