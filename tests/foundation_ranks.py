@@ -4,9 +4,11 @@ process pays ~4 s of imports on a 2-core machine."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from dhelix.arguments import parse_args
 from dhelix.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
@@ -19,7 +21,7 @@ from dhelix.parallel import (
     init_process_group_from_env,
 )
 from dhelix.parity import gather_full_tensors, max_abs_diff
-from dhelix.training import Trainer, reduce_loss_to_all_ranks
+from dhelix.training import Trainer, forward_step, reduce_loss_to_all_ranks
 
 
 def tiny_args(tp=1, pp=1, sp=False, distopt=False, extra=()):
@@ -52,6 +54,33 @@ def observed_step(trainer: Trainer, with_grads: bool) -> dict:
         "grads": grads,
         "params": gather_full_tensors(trainer.model, "param"),
     }
+
+
+def eval_loss(trainer: Trainer) -> float:
+    """The mean loss of one forward-only global batch (what Megatron's `evaluate()` asks of
+    the forward/backward function), from the trainer's next samples."""
+    losses = trainer.forward_backward_func(
+        forward_step_func=forward_step, data_iterator=trainer.data_iterator(),
+        model=trainer.model, num_microbatches=trainer.args.num_microbatches,
+        seq_length=trainer.args.seq_length, micro_batch_size=trainer.args.micro_batch_size,
+        forward_only=True)
+    return reduce_loss_to_all_ranks(losses, trainer.loss_on_first_stage)
+
+
+def engine_record(trainer: Trainer) -> list[dict]:
+    """Every rank's record of what the `--dhelix` trainer's last forward/backward call ran
+    (`ScheduleEngine.last_step`, counted by the executor while it ran), with the engine's
+    type, the pass engine and the length of that rank's listed actions."""
+    engine = trainer.dhelix.engine
+    step = engine.last_step
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    schedule = engine.schedule(pp, trainer.args.num_microbatches, step.forward_only)
+    mine = {**dataclasses.asdict(step), "engine": type(engine).__name__,
+            "listed": len(schedule.ranks[step.stage]),
+            "si_blocks": sum(a.kind == "SI" for a in schedule.ranks[step.stage])}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def compare_steps(ref: list[dict], got: list[dict]) -> list[dict]:
@@ -171,7 +200,11 @@ def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
         if spec.get("seam"):
             _plan_with_a_seam(trainer)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
+        trained = engine_record(trainer)
+        eval_diff = abs(eval_loss(ref) - eval_loss(trainer))
         report[name] = {"rows": compare_steps(ref_steps, got),
+                        "executed": {"train": trained, "eval": engine_record(trainer)},
+                        "eval_loss_diff": eval_diff,
                         "blocks": len(trainer.dhelix.runner.blocks),
                         "plan_source": trainer.dhelix.plan_source,
                         "num_microbatches": dargs.num_microbatches,

@@ -144,6 +144,33 @@ def parity_body(ctx, cases: dict, train_iters: int) -> dict:
     return report
 
 
+def launch_parity(cases: dict, train_iters: int) -> dict:
+    """`parity_body` on 4 gloo ranks (hard timeout); prints every case's rows (pytest -s)."""
+    from dhelix.harness import run_on_ranks
+
+    result = run_on_ranks(parity_body, 4, cases, train_iters, timeout_s=600,
+                          env={"OMP_NUM_THREADS": "1"})[0]
+    for name, case in result.items():
+        for i, row in enumerate(case["rows"]):
+            print(f"{name} step {i + 1}: loss {row['loss']:.6f} diff {row['loss_diff']:.1e}, "
+                  f"grad diff {row['grad_diff']:.1e} ({row['grad_key']}), param diff before "
+                  f"the step {row['param_diff']:.1e} ({row['param_key']}); co-executed layer "
+                  f"pairs per rank {case['pairs']}")
+    return result
+
+
+def assert_parity(case: dict, train_iters: int, loss: float, grad: float, param: float) -> None:
+    """Both runs made `train_iters` steps, from identical initial parameters, and every
+    step's loss, gradient and parameter differences are within the bounds."""
+    assert case["steps"] == (train_iters, train_iters)
+    # Same seed, same weights: identical initial parameters, not merely close.
+    assert case["rows"][0]["param_diff"] == 0.0, case["rows"][0]["param_key"]
+    for row in case["rows"]:
+        assert row["loss_diff"] <= loss
+        assert row["grad_diff"] <= grad, row["grad_key"]
+        assert row["param_diff"] <= param, row["param_key"]
+
+
 # ------------------------------------------------------------------ data and checkpoints
 BYTE_VOCAB = 257  # 256 byte ids and the end-of-document id NullTokenizer uses (vocab - 1)
 

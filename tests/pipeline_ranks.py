@@ -8,7 +8,14 @@ import torch.distributed as dist
 
 from dhelix.parallel import destroy_parallel_state, init_process_group_from_env
 from dhelix.parity import gather_full_tensors, max_abs_diff
-from tests.foundation_ranks import build_trainer, compare_steps, observed_step, tiny_args
+from tests.foundation_ranks import (
+    build_trainer,
+    compare_steps,
+    engine_record,
+    eval_loss,
+    observed_step,
+    tiny_args,
+)
 
 
 class PairCounter:
@@ -48,11 +55,15 @@ def dhelix_pipeline_parity(ctx, cases: dict, steps: int = 3) -> dict:
         init_diff, init_key = max_abs_diff(ref_init, gather_full_tensors(trainer.model, "param"))
         counter = PairCounter(trainer.dhelix.runner)
         got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
+        trained = engine_record(trainer)
+        eval_diff = abs(eval_loss(ref) - eval_loss(trainer))
         pairs = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, counter.pairs)
         report[name] = {"init_param_diff": init_diff, "init_param_key": init_key,
                         "rows": compare_steps(ref_steps, got), "pairs": pairs,
-                        "m": dargs.num_microbatches, "p": dargs.pipeline_model_parallel_size}
+                        "m": dargs.num_microbatches, "p": dargs.pipeline_model_parallel_size,
+                        "executed": {"train": trained, "eval": engine_record(trainer)},
+                        "eval_loss_diff": eval_diff}
     destroy_parallel_state()
     dist.barrier()
     return report

@@ -11,11 +11,13 @@ import pytest
 
 from dhelix.harness import run_on_ranks
 from scripts.bench_dhelix_pp1 import bench_body
+from tests.engine_checks import assert_ran_on_the_engine
 from tests.pipeline_ranks import dhelix_pipeline_parity
 
 FP32_LOSS = 2e-6    # |loss diff|, losses ~7
 FP32_GRAD = 1e-7    # max |grad diff|: accumulation order of tied-embedding grads differs
 FP32_PARAM = 1e-7   # SGD lr 0.05: param diffs are lr x grad diffs
+FP32_EVAL = 2e-6    # |eval loss diff| of one forward-only global batch
 STEPS = 3
 
 CASES_4 = {
@@ -68,6 +70,10 @@ def _check(case):
         assert row["param_diff"] <= FP32_PARAM, row["param_key"]
     # The W schedule co-executed layer pairs on every rank (the SI path really ran).
     assert min(case["pairs"]) > 0
+    # Training ran the W list, evaluation the forward-only list, both through the schedule
+    # engine's executor (the PP=1 runs are held to the same check in test_dhelix_pp1.py).
+    assert_ran_on_the_engine(case["executed"], "w", "OperatorPasses", path="folded")
+    assert case["eval_loss_diff"] <= FP32_EVAL
 
 
 @pytest.mark.parametrize("name", sorted(CASES_4))

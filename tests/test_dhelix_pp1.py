@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from dhelix.harness import free_port, run_on_ranks
+from tests.engine_checks import assert_ran_on_the_engine
 from tests.foundation_ranks import dhelix_parity
 
 FP32_LOSS = 1e-6
 FP32_GRAD = 2e-7
 FP32_PARAM = 2e-7   # SGD lr 0.05: param diffs are lr x grad diffs
+FP32_EVAL = 1e-6    # |eval loss diff| of one forward-only global batch
 
 LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--num-query-groups", "2", "--disable-bias-linear")
@@ -95,6 +97,26 @@ def _check(entry):
         assert row["loss_diff"] < FP32_LOSS, row
         assert row["grad_diff"] < FP32_GRAD, row
         assert row["param_diff"] < FP32_PARAM, row
+    assert entry["eval_loss_diff"] < FP32_EVAL  # evaluation on the forward-only list
+
+
+@pytest.mark.parametrize("name,kind,passes", [
+    ("tp2_dp", "si", "OperatorPasses"),
+    ("tp2_round_robin", "si", "OperatorPasses"),           # the Wavelet-style pairing
+    ("tp2_domino", "sequential", "IntraBatchPasses"),      # the Domino-style pairing
+    ("tp2_sp_domino", "sequential", "IntraBatchPasses"),
+])
+def test_pp1_pairings_run_on_the_one_engine(tp2, name, kind, passes):
+    """PP=1 `--dhelix` (the DP plan and the Wavelet-style round robin: the one-stage SI
+    list, m-1 SI blocks) and the Domino-style split (Megatron's no-pipelining list) all ran
+    through the schedule engine's executor, as observed while they ran; so did evaluation
+    (the forward-only list). The PP>1 runs are held to the same check in
+    tests/test_dhelix_pipeline.py."""
+    executed = tp2[name]["executed"]
+    assert_ran_on_the_engine(executed, kind, passes, path="linear")
+    m = tp2[name]["num_microbatches"]
+    expected_si = m - 1 if kind == "si" else 0
+    assert all(rank["si_blocks"] == expected_si for rank in executed["train"])
 
 
 @pytest.mark.parametrize("name", sorted(CASES_TP2) + ["tp2_plan_file"])

@@ -11,8 +11,7 @@ differences."""
 
 import pytest
 
-from dhelix.harness import run_on_ranks
-from tests.megatron_lm_ranks import parity_body
+from tests.megatron_lm_ranks import assert_parity, launch_parity
 
 FP32_LOSS = 2e-6    # |loss diff|, losses ~7
 FP32_GRAD = 1e-7    # max |grad diff| (accumulation order differs)
@@ -36,27 +35,13 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def report():
-    result = run_on_ranks(parity_body, 4, CASES, STEPS, timeout_s=600,
-                          env={"OMP_NUM_THREADS": "1"})[0]
-    for name, case in result.items():
-        for i, row in enumerate(case["rows"]):
-            print(f"{name} step {i + 1}: loss {row['loss']:.6f} diff {row['loss_diff']:.1e}, "
-                  f"grad diff {row['grad_diff']:.1e} ({row['grad_key']}), param diff before "
-                  f"the step {row['param_diff']:.1e} ({row['param_key']}); co-executed layer "
-                  f"pairs per rank {case['pairs']}")
-    return result
+    return launch_parity(CASES, STEPS)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_dhelix_matches_megatron_in_pretrain(report, name):
     case = report[name]
-    assert case["steps"] == (STEPS, STEPS)
     core = ["SDPAttention"] if "sdpa" in name else ["DotProductAttention"]
     assert case["attention"] == (core, core)
-    # Same seed, same weights: identical initial parameters, not merely close.
-    assert case["rows"][0]["param_diff"] == 0.0, case["rows"][0]["param_key"]
-    for row in case["rows"]:
-        assert row["loss_diff"] <= FP32_LOSS
-        assert row["grad_diff"] <= FP32_GRAD, row["grad_key"]
-        assert row["param_diff"] <= FP32_PARAM, row["param_key"]
+    assert_parity(case, STEPS, FP32_LOSS, FP32_GRAD, FP32_PARAM)
     assert min(case["pairs"]) > 0  # the DHelix SI path really ran on every rank

@@ -20,6 +20,7 @@ QUICK_START = [
     "--eval-iters", "1", "--log-interval", "1", "--num-workers", "0", "--train-iters", "5",
 ]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*5 \|.*?lm loss: (\S+)")
+VALIDATION = re.compile(r"validation loss at iteration 5\b.*?\| lm loss value: (\S+) \|")
 
 
 def _train(extra):
@@ -29,7 +30,9 @@ def _train(extra):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = {int(i): float(v) for i, v in LOSS.findall(proc.stdout)}
     assert sorted(losses) == [1, 2, 3, 4, 5], proc.stdout[-3000:]
-    assert "validation loss at iteration 5" in proc.stdout
+    validation = VALIDATION.findall(proc.stdout)
+    assert len(validation) >= 1, proc.stdout[-3000:]
+    losses["validation"] = float(validation[-1])
     return losses, proc.stdout
 
 
@@ -38,5 +41,20 @@ def test_quick_start_with_and_without_dhelix():
     dhelix, out = _train(["--dhelix"])
     assert "dhelix: W-shaped schedule over the folded model" in out
     print(f"stock: {stock}\n--dhelix: {dhelix}")
+    # training losses, then the validation loss (evaluate() runs the forward-only action
+    # list on the schedule engine with --dhelix)
     for i in stock:  # the log prints 7 significant digits
+        assert abs(stock[i] - dhelix[i]) <= 1e-5 * abs(stock[i])
+
+
+def test_quick_start_without_pipelining_with_and_without_dhelix():
+    """The same command line with PP=1 (TP2 x DP2): --dhelix trains with the one-stage SI
+    list and evaluate() runs the forward-only list on the same engine (not Megatron's
+    schedule); training and validation losses are Megatron's."""
+    pp1 = ["--pipeline-model-parallel-size", "1"]  # the last value wins
+    stock, _ = _train(pp1)
+    dhelix, out = _train(pp1 + ["--dhelix"])
+    assert "dhelix: SI schedule" in out
+    print(f"stock: {stock}\n--dhelix: {dhelix}")
+    for i in stock:
         assert abs(stock[i] - dhelix[i]) <= 1e-5 * abs(stock[i])

@@ -2,7 +2,9 @@
 
 Every system is the same `pretrain_gpt` training (same model, seed, so same initial weights,
 same data) with a few extra arguments; all but Megatron run on dhelix's operator programs
-and strand executor (`dhelix.runtime`), so the baselines are options of one code path:
+and strand executor (`dhelix.runtime`) through the one schedule engine
+(`dhelix.schedules.runner.ScheduleEngine`: the SI action list, or Megatron's no-pipelining
+list for the Domino-style pairing), so the baselines are options of one code path:
 
 - megatron: no extra arguments; megatron-core's own schedule (no pipelining, or 1F1B with
   PP>1).

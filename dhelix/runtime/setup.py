@@ -1,9 +1,10 @@
 """Start-up of `--dhelix` training: bind every layer's operator programs, build the
 communication lanes, load or build the plan, check it against this run, and return the
-forward/backward function that replaces Megatron's: the PP=1 SI schedule
-(`dhelix.runtime.pp1_schedule`), or with PP > 1 the W-shaped schedule over the folded model
-(`dhelix.schedules.w_schedule` executed by `dhelix.schedules.executor` with the operator
-pass engine `dhelix.runtime.folded_passes`).
+schedule engine whose forward/backward function replaces Megatron's
+(`dhelix.schedules.runner.ScheduleEngine`, one engine for every layout): the one-stage SI
+schedule (`dhelix.schedules.si_schedule`) with PP=1, the W-shaped schedule over the folded
+model (`dhelix.schedules.w_schedule`) with PP > 1, both run by the action-list executor
+with the operator pass engine `dhelix.runtime.operator_passes`.
 
 Plan sources, in order: `--dhelix-plan PATH` (checked: model, parallel layout and operator
 DAGs must match this run, and the profile too when `--dhelix-profile` is given; a refused
@@ -14,8 +15,10 @@ costs without one). `--dhelix-pairer sequential|round_robin` builds a baseline p
 
 Benchmark baselines built from the same machinery:
 - `--dhelix-pairer domino`: Domino-style intra-batch split (no micro-batch pairs; each
-  micro-batch's two batch halves co-executed layer by layer with a staggered pairing, see
-  `runtime.intra_batch_schedule`); needs an even `--micro-batch-size`.
+  micro-batch's two batch halves co-executed layer by layer with a staggered pairing: the
+  no-pipelining action list with the pass engine of `runtime.intra_batch_passes`); needs an
+  even `--micro-batch-size`. (The Wavelet-style row is `--dhelix-pairer round_robin`: a
+  plan, run like any other.)
 - `--dhelix-commfree-timing-only`: every TP collective of the layers becomes a no-op with the
   right output shape (`dhelix.ops.collectives.NoOpCollectives`). TIMING ONLY, WRONG
   NUMERICS: the communication-free bound of the benchmark, never a training mode.
@@ -35,13 +38,14 @@ from dhelix.dag import save_dag
 from dhelix.ops.runner import BoundLayer
 from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
-from dhelix.runtime.folded_passes import FoldedOperatorPasses
-from dhelix.runtime.intra_batch_schedule import IntraBatchSplitSchedule
+from dhelix.runtime.intra_batch_passes import IntraBatchPasses
 from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, comm_channels, \
     tensor_parallel_lanes
 from dhelix.runtime.layer_runner import LayerRunner
-from dhelix.runtime.pp1_schedule import DHelixSchedule
-from dhelix.schedules.runner import make_forward_backward_func
+from dhelix.runtime.operator_passes import OperatorPasses
+from dhelix.schedules.runner import ScheduleEngine
+from dhelix.schedules.sequential import build_no_pipelining_schedule
+from dhelix.schedules.si_schedule import build_si_schedule
 from dhelix.schedules.w_schedule import build_w_schedule
 from megatron_patches.folded_model import FoldedGPTModel
 from megatron_patches.gpt_parts import GPTParts
@@ -97,7 +101,8 @@ def check_dhelix_supported(args) -> None:
 class DHelixSetup:
     """What `--dhelix` built: Megatron's model split at the layers, the operator-level
     layer runner (bound layers, lanes, plan orders and blocks), the plan and where it came
-    from, and the function that replaces Megatron's forward_backward_func. `plan` is None
+    from, and the schedule engine whose `forward_backward` replaces Megatron's
+    forward_backward_func (`forward_backward_func`). `plan` is None
     for the Domino-style split (no planner plan); `timing_only` is True for the
     communication-free bound."""
 
@@ -105,11 +110,16 @@ class DHelixSetup:
     runner: LayerRunner
     plan: object
     plan_source: str
-    forward_backward_func: Callable
+    engine: ScheduleEngine
     timing_only: bool = False
     # the cost model the plan was built with at start-up (None for a plan file or the
     # Domino split): what the benchmark's predicted step reads besides the plan
     costs: object = None
+
+    @property
+    def forward_backward_func(self) -> Callable:
+        """Megatron's forward_backward_func signature: `engine.forward_backward`."""
+        return self.engine.forward_backward
 
     @property
     def predicted_speedup(self):
@@ -222,8 +232,7 @@ def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
                  ) -> DHelixSetup:
     """Collective over the world (creates the lane process groups, with `job`'s timeout,
     for the channels the layers' collectives use; reusing `lane_pool`'s, when given).
-    Returns the schedule whose `forward_backward` replaces Megatron's
-    forward_backward_func."""
+    Returns the set-up whose `forward_backward_func` (its engine's) replaces Megatron's."""
     check_dhelix_supported(args)
     check_cuda_device_max_connections()
     if len(model_chunks) != 1:
@@ -258,20 +267,16 @@ def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
         runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(fwd.fwd_order),
                              bwd_order=tuple(bwd.fwd_order), blocks=tuple(fwd.blocks),
                              block_barriers=block_barriers)
-        schedule = IntraBatchSplitSchedule(parts=parts, runner=runner, bwd_blocks=bwd.blocks)
+        engine = ScheduleEngine(build_no_pipelining_schedule,
+                                IntraBatchPasses(parts, runner, bwd_blocks=bwd.blocks))
         source = "domino: intra-batch split, staggered halves, no planning"
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
-                           forward_backward_func=schedule.forward_backward,
-                           timing_only=timing_only)
+                           engine=engine, timing_only=timing_only)
     plan, source, costs = _resolve_plan(args, dags["fwd"], dags["bwd"])
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
                          block_barriers=block_barriers, seam=plan_seam(args, plan, dags))
-    if pipelined:
-        forward_backward = make_forward_backward_func(
-            build_w_schedule, passes=FoldedOperatorPasses(parts, runner))
-    else:
-        forward_backward = DHelixSchedule(parts=parts, runner=runner).forward_backward
+    engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
+                            OperatorPasses(parts, runner, loss_at_forward=pipelined))
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
-                       forward_backward_func=forward_backward, timing_only=timing_only,
-                       costs=costs)
+                       engine=engine, timing_only=timing_only, costs=costs)

@@ -178,12 +178,19 @@ def _check_stages(num_stages: int) -> None:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank action lists (`ranks[s]` for stage s) of one global batch."""
+    """Per-rank action lists (`ranks[s]` for stage s) of one global batch. A
+    `forward_only` schedule (evaluation) computes every forward pass once and no backward."""
 
     kind: str
     path: PipelinePath
     num_microbatches: int
     ranks: tuple
+    forward_only: bool = False
+
+    @property
+    def directions(self) -> tuple:
+        """The directions every micro-batch's passes go: (F,) or (F, B)."""
+        return (FORWARD,) if self.forward_only else DIRECTIONS
 
     @property
     def num_stages(self) -> int:
@@ -206,6 +213,7 @@ class Schedule:
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
             "ranks": [[a.to_dict() for a in actions] for actions in self.ranks],
+            "forward_only": self.forward_only,
         }
 
     @classmethod
@@ -215,4 +223,5 @@ class Schedule:
             path=PipelinePath.named(d["path"], d["num_stages"]),
             num_microbatches=d["num_microbatches"],
             ranks=tuple(tuple(Action.from_dict(a) for a in actions) for actions in d["ranks"]),
+            forward_only=d.get("forward_only", False),
         )

@@ -84,7 +84,7 @@ def task_actions(path: PipelinePath, stage: int, task: Task) -> list[Action]:
 
 
 def emit_schedule(kind: str, path: PipelinePath, num_microbatches: int,
-                  stage_tasks: list[list[Task]]) -> Schedule:
+                  stage_tasks: list[list[Task]], forward_only: bool = False) -> Schedule:
     """The schedule whose stage s computes `stage_tasks[s]` in order."""
     if len(stage_tasks) != path.num_stages:
         raise ValueError(f"{len(stage_tasks)} task lists for {path.num_stages} stages")
@@ -94,7 +94,8 @@ def emit_schedule(kind: str, path: PipelinePath, num_microbatches: int,
         for task in tasks:
             actions += task_actions(path, stage, task)
         ranks.append(tuple(actions))
-    return Schedule(kind=kind, path=path, num_microbatches=num_microbatches, ranks=tuple(ranks))
+    return Schedule(kind=kind, path=path, num_microbatches=num_microbatches, ranks=tuple(ranks),
+                    forward_only=forward_only)
 
 
 def check_microbatches(num_microbatches: int) -> None:

@@ -1,7 +1,8 @@
 """Executes this rank's action list of a schedule with torch.distributed point-to-point ops.
 
-`StageExecutor.run()` validates the whole schedule first (`dhelix.schedules.validate`), so
-a broken list is rejected before any tensor moves. Then, in list order:
+`StageExecutor.run()` validates the whole schedule first (`dhelix.schedules.validate`; once
+per schedule object, so a schedule reused step after step is checked once), so a broken list
+is rejected before any tensor moves. Then, in list order:
 
 - `F`: one chunk forward. Its input is the previous hop's activation (received, or produced
   on this rank at the folded path's turn); hop 0 embeds the batch. On the route's last hop
@@ -13,6 +14,8 @@ a broken list is rejected before any tensor moves. Then, in list order:
   DHelix engine does, so the logits do not wait for the backward pass) or at the backward.
 - `SI`: an SI block, the forward of one micro-batch and the backward of another given to the
   pass engine together (`passes.si`).
+- A forward-only schedule (evaluation) computes the loss on the last hop and keeps nothing
+  for a backward; run it under `torch.no_grad()`.
 - `SEND`: `isend` of each tensor in payload order (never blocks; all sends are waited for
   at the end); `RECV`: blocking `recv` of each tensor in payload order. Each direction of a
   stage pair is FIFO with tag 0, which gives the deterministic pairing the validator proved.
@@ -20,16 +23,36 @@ a broken list is rejected before any tensor moves. Then, in list order:
 How a pass computes is the pass engine's business (`passes`): `AutogradPasses` runs the
 chunk module with autograd (SI blocks forward, then backward); the DHelix runtime's engine
 runs the layers operator by operator and co-executes an SI block's two passes
-(`dhelix.runtime.folded_passes`). The executor owns the bookkeeping: which tensors are
+(`dhelix.runtime.operator_passes`). The executor owns the bookkeeping: which tensors are
 ready, what each pass saved, the loss and its scaling.
+
+Gradient synchronisation (`no_sync`, one rule for every schedule): every action before this
+rank's last action holding a backward pass runs inside `no_sync()` (Megatron DDP's
+`no_sync`: gradients only accumulate); that last backward, the last micro-batch's, and
+what follows run outside it. This is the rule of Megatron's own schedules
+(`forward_backward_no_pipelining`, `combined_1f1b_schedule_for_no_pipelining`, 1F1B's
+`enable_grad_sync()` before the last backward): with `overlap_grad_reduce` a bucket's
+reduction starts when each of its parameters' gradient arrives outside `no_sync`, so the
+reduction must see each parameter's final accumulation of the step and no earlier one. It
+is exact where every parameter of the rank receives its last gradient in that last action
+(one model chunk per rank with the loss back-propagated at the backward pass:
+`AutogradPasses`, the one-stage DHelix schedules); without `overlap_grad_reduce` the
+context only sets DDP's is-last-micro-batch flag and `finalize_model_grads` reduces
+everything after the list, so the rule is exact for every schedule (the folded model's two
+chunks get their last gradients in different actions: `--dhelix` refuses
+`overlap_grad_reduce` there).
 
 Guarantees: every micro-batch's passes and their accumulation into `.grad`/`main_grad`
 happen in the schedule's order; at the end nothing is left half-done (a leftover tensor
 raises RuntimeError). Communication tensors all have the pipeline shape `tensor_shape`.
+`actions_run` counts the actions the last `run()` executed (what ran, observed, not the
+list's length).
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,6 +61,15 @@ import torch.distributed as dist
 
 from dhelix.schedules.actions import BACKWARD, FORWARD, Action, Pass, Schedule, TensorRef
 from dhelix.schedules.validate import validate
+
+_VALIDATED: "weakref.WeakValueDictionary[int, Schedule]" = weakref.WeakValueDictionary()
+
+
+def validate_once(schedule: Schedule) -> None:
+    """`validate(schedule)` unless this very object passed it before (identity, O(1))."""
+    if _VALIDATED.get(id(schedule)) is not schedule:
+        validate(schedule)
+        _VALIDATED[id(schedule)] = schedule
 
 
 @dataclass
@@ -107,13 +139,15 @@ class StageExecutor:
     next_batch() -> batch: this rank's next micro-batch (called once per micro-batch, in
         micro-batch order).
     peer_rank(stage) -> global rank of that pipeline stage.
+    no_sync() -> context manager: Megatron DDP's `config.no_sync_func` (module docstring for
+        the rule), None for none.
     """
 
     def __init__(self, schedule: Schedule, stage: int, *, passes,
                  loss_func: Callable, next_batch: Callable, tensor_shape: tuple,
                  dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int],
                  grad_scale_func: Callable | None = None, context_parallel_size: int = 1,
-                 loss_is_scaled: bool = False):
+                 loss_is_scaled: bool = False, no_sync: Callable | None = None):
         self.schedule = schedule
         self.stage = stage
         self.path = schedule.path
@@ -128,9 +162,16 @@ class StageExecutor:
         self.grad_scale_func = grad_scale_func
         self.cp = context_parallel_size
         self.loss_is_scaled = loss_is_scaled
+        self.no_sync = no_sync or contextlib.nullcontext
+        self.actions = schedule.ranks[stage]
+        backward_at = [i for i, a in enumerate(self.actions) if a.backward is not None]
+        self._sync_from = backward_at[-1] if backward_at else len(self.actions)
         # This rank's last backward hop of a micro-batch; its batch is dropped after it.
         self._final_backward_hop = max(h for h in range(self.path.num_hops)
                                        if self.path.stage(BACKWARD, h) == stage)
+        self._final_forward_hop = max(h for h in range(self.path.num_hops)
+                                      if self.path.stage(FORWARD, h) == stage)
+        self.actions_run = 0
         self._batches: dict = {}
         self._fetched = 0
         self._saved: dict = {}      # (mb, forward hop) -> (engine state, scaled loss or None)
@@ -141,10 +182,11 @@ class StageExecutor:
     def run(self) -> list:
         """Validate the schedule, run this rank's list, wait for sends. Returns the loss
         infos computed on this rank (empty unless it holds the route's last hop)."""
-        validate(self.schedule)
-        for action in self.schedule.ranks[self.stage]:
-            self._execute(action)
-            self._release_finished_sends()
+        validate_once(self.schedule)
+        self.actions_run = 0
+        with self.no_sync():
+            self._run_actions(self.actions[:self._sync_from])
+        self._run_actions(self.actions[self._sync_from:])
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
@@ -154,6 +196,13 @@ class StageExecutor:
         if leftovers:
             raise RuntimeError(f"stage {self.stage} finished with " + ", ".join(leftovers))
         return self.losses
+
+    def _run_actions(self, actions) -> None:
+        for action in actions:
+            self._execute(action)
+            if self._sends:
+                self._release_finished_sends()
+            self.actions_run += 1
 
     def _release_finished_sends(self) -> None:
         """Drop the buffers of sends that have completed, so a sent activation does not
@@ -201,6 +250,9 @@ class StageExecutor:
         return ForwardWork(batch, self.path.chunk(FORWARD, p.hop), inp)
 
     def _forward_done(self, p: Pass, state, out) -> None:
+        if self.schedule.forward_only:
+            self._forward_only_done(p, out)
+            return
         loss = None
         if p.hop == self.last_hop:
             loss, info = self.loss_func(self._batches[p.microbatch], out)
@@ -213,6 +265,16 @@ class StageExecutor:
         else:
             self._ready[TensorRef(p.microbatch, FORWARD, p.hop)] = out
         self._saved[(p.microbatch, p.hop)] = (state, loss)
+
+    def _forward_only_done(self, p: Pass, out) -> None:
+        """Evaluation: the loss info on the last hop, else the activation for the next hop;
+        nothing is saved for a backward; the batch is dropped after its last hop here."""
+        if p.hop == self.last_hop:
+            self.losses.append(self.loss_func(self._batches[p.microbatch], out)[1])
+        else:
+            self._ready[TensorRef(p.microbatch, FORWARD, p.hop)] = out
+        if p.hop == self._final_forward_hop:
+            self._batches.pop(p.microbatch, None)
 
     def _backward_work(self, p: Pass) -> BackwardWork:
         state, loss = self._saved.pop((p.microbatch, self.path.mirror_hop(p.hop)))

@@ -1,31 +1,55 @@
-"""One global batch's forward and backward on this rank's Megatron model, driven by a
-schedule (`dhelix.schedules.executor`), with Megatron's own gradient finalisation.
+"""The schedule engine: Megatron's `forward_backward_func` for every layout, running this
+rank's action list (`dhelix.schedules.executor.StageExecutor`) on its Megatron model chunk
+with Megatron's own forward-step contract, loss and gradient finalisation.
 
-The folded path runs a `FoldedGPTModel` (any folded schedule: sequential, W-shaped); the
-linear path runs a stock GPTModel chunk (e.g. the 1F1B action lists, to compare the executor
-with Megatron's own 1F1B). Batches are dhelix's GPT micro-batch dicts (`dhelix.data`) and
-the loss is `dhelix.training.loss_func`, exactly as in `dhelix.training.forward_step`.
+One engine serves every `--dhelix` layout and the executor's tests:
+- PP = 1: the one-stage SI schedule (`si_schedule`) with the operator pass engine
+  (`dhelix.runtime.operator_passes`); the Domino-style split is the no-pipelining order
+  (`sequential.build_no_pipelining_schedule`) with its own pass engine
+  (`dhelix.runtime.intra_batch_passes`); the Wavelet-style row is the SI schedule with a
+  round-robin plan;
+- PP > 1, the folded model: the W-shaped schedule with the same operator pass engine;
+- any schedule with `AutogradPasses` over the chunk module (the folded sequential and W
+  schedules, the 1F1B lists on a stock model: `tests/folding`).
+Evaluation (`forward_only=True`) runs the forward-only list of the same path
+(`sequential.build_forward_only_schedule`) on the same executor, the chunk module's own
+forward under `torch.no_grad()`.
 
-Gradients accumulate while DDP's `no_sync` is active and are then finalised by
-`config.finalize_model_grads_func` (Megatron's `finalize_model_grads`: DP all-reduce, SP
-norm all-reduce, embedding groups), as Megatron's schedules do. DDP with
-`overlap_grad_reduce` is not supported (checked).
+Batches: the script's `forward_step_func(data_iterator, model)` is called once per
+micro-batch, in micro-batch order, on every stage, as Megatron's schedules call it; what it
+hands the model (tokens, positions, labels) and its loss function are captured
+(`dhelix.runtime.forward_step_capture`; Megatron-LM's pretrain_gpt and
+`dhelix.training.forward_step` both fit). For the folded model with `data_args` (Megatron's
+args) it runs under `folded_data_view` (stage 0 embeds and computes the loss). The loss goes
+through Megatron's `forward_step_calc_loss` (the script's loss function, token-count
+normalisation, division by the number of micro-batches, the loss dicts Megatron's training
+loop reduces) and `config.grad_scale_func`; `no_sync` follows the executor's one rule;
+`config.finalize_model_grads_func` runs after the list (with the token count under
+`calculate_per_token_loss`). Megatron's `forward-compute`/`backward-compute` timers are not
+run (forward and backward passes interleave); the step's other timers are.
+
+Every tensor the engine creates (the token count, receive buffers) lives on the model's
+device.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import contextlib
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
-from dhelix.schedules.actions import Schedule
+from dhelix.runtime.forward_step_capture import capture_forward_step
+from dhelix.runtime.megatron_training import folded_data_view, relay_losses_to_last_stage
+from dhelix.schedules.actions import FORWARD, Schedule
 from dhelix.schedules.executor import AutogradPasses, StageExecutor
-from dhelix.training import forward_step as gpt_forward_step
-from dhelix.training import loss_func as gpt_loss_func
+from dhelix.schedules.sequential import build_forward_only_schedule
 from megatron_patches.folded_model import FoldedGPTModel
 
 
@@ -69,83 +93,177 @@ def _check_fit(schedule: Schedule, module, num_microbatches: int) -> None:
                                f"{type(module).__name__}")
 
 
-def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
-                              num_microbatches: int, seq_length: int, micro_batch_size: int,
-                              config, passes=None,
-                              loss_func: Callable = gpt_loss_func, next_batch=None,
-                              batch_loss: Callable | None = None) -> list:
-    """Run `schedule` on this rank's single model chunk (`model` or `[model]`) and finalise
-    the gradients. `passes` is the pass engine (default: `AutogradPasses` over the chunk).
-    Batches are `next(data_iterator)` (dhelix's GPT batch dicts) and the loss
-    `loss_func(batch["loss_mask"], output)` scaled by the executor, unless `next_batch()`
-    and `batch_loss(batch, output) -> (scaled loss, info)` are given (Megatron's forward
-    step and loss scaling: `dhelix.runtime.megatron_training`). Returns the per-micro-batch
-    loss dicts on the rank that computes the loss (first stage for folded, last for linear),
-    [] elsewhere. Collective over all ranks."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise ScheduleMismatch("one model chunk per rank (no virtual pipeline stages)")
-    (chunk,) = chunks
-    module = _unwrap(chunk)
-    _check_fit(schedule, module, num_microbatches)
-    ddp_config = getattr(chunk, "ddp_config", None)
-    if ddp_config is not None and ddp_config.overlap_grad_reduce:
-        raise ScheduleMismatch("schedule execution needs DDP without overlap_grad_reduce")
+def model_device(module) -> torch.device:
+    """The device of the model's parameters (CPU for a model without any)."""
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ExecutedStep:
+    """What the engine's last call ran on this rank, as the executor observed it:
+    `actions_run` is counted while the actions execute."""
+
+    schedule_kind: str
+    path: str
+    stage: int
+    forward_only: bool
+    actions_run: int
+    pass_engine: str
+
+
+class MegatronLoss:
+    """The executor's loss step: Megatron's `forward_step_calc_loss` with the forward step's
+    own loss function (captured in `batch["loss_func"]`); returns (scaled loss, loss dict)
+    and counts tokens in `total_tokens` (on `device`)."""
+
+    def __init__(self, model, config, num_microbatches: int, device: torch.device):
+        self.model = model
+        self.config = config
+        self.num_microbatches = num_microbatches
+        self.cp = parallel_state.get_context_parallel_world_size()
+        self.total_tokens = torch.zeros([], dtype=torch.int, device=device)
+
+    def __call__(self, batch: dict, output):
+        store: list = []
+        loss, num_tokens = mcore_schedules.forward_step_calc_loss(
+            self.model, output, batch["loss_func"], self.config, None, False,
+            self.num_microbatches, store, cp_group_size=self.cp, is_last_stage=True)
+        self.total_tokens += num_tokens
+        return loss, store[-1]
+
+
+@contextlib.contextmanager
+def _without_timers(config):
+    timers, config.timers = config.timers, None
+    try:
+        yield
+    finally:
+        config.timers = timers
+
+
+class ScheduleEngine:
+    """Megatron's forward_backward_func over `build_schedule(pp, num_microbatches)`
+    (module docstring). `passes`: the training pass engine (default `AutogradPasses` over
+    the chunk module). `data_args`: Megatron's args, for the folded model's data view (None:
+    the forward step reads no pipeline arguments, e.g. `dhelix.training.forward_step`).
+    `losses_to_last_stage`: return the folded model's loss dicts on the last pipeline stage,
+    as Megatron's training loop expects (else on the stage that computes them).
+    `last_step` is what the last call ran (`ExecutedStep`)."""
+
+    def __init__(self, build_schedule: Callable[[int, int], Schedule], passes=None,
+                 data_args=None, losses_to_last_stage: bool = False):
+        self.build_schedule = build_schedule
+        self.passes = passes
+        self.data_args = data_args
+        self.losses_to_last_stage = losses_to_last_stage
+        self.last_step: ExecutedStep | None = None
+        self._schedules: dict = {}
+
+    def for_megatron(self, args) -> "ScheduleEngine":
+        """The same engine for `megatron.training`'s `train()`/`evaluate()`: `args`' data
+        view, loss dicts on the last stage."""
+        return ScheduleEngine(self.build_schedule, self.passes, data_args=args,
+                              losses_to_last_stage=True)
+
+    def schedule(self, pp: int, num_microbatches: int, forward_only: bool) -> Schedule:
+        """The training schedule, or its path's forward-only schedule (built once each)."""
+        key = (pp, num_microbatches, forward_only)
+        if key not in self._schedules:
+            if forward_only:
+                path = self.schedule(pp, num_microbatches, False).path
+                self._schedules[key] = build_forward_only_schedule(path, num_microbatches)
+            else:
+                self._schedules[key] = self.build_schedule(pp, num_microbatches)
+        return self._schedules[key]
+
+    def _next_batch(self, forward_step_func, data_iterator, model, folded: bool,
+                    require_labels: bool) -> dict:
+        view = (folded_data_view(self.data_args) if folded and self.data_args is not None
+                else contextlib.nullcontext())
+        with view:
+            step = capture_forward_step(forward_step_func, data_iterator, model,
+                                        require_labels=require_labels)
+        return {"tokens": step.input_ids, "position_ids": step.position_ids,
+                "labels": step.labels, "loss_func": step.loss_func}
+
+    def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
+                         seq_length=None, micro_batch_size=None, forward_only=False,
+                         collect_non_loss_data=False, **_unused):
+        """Megatron's forward_backward_func signature (the other keyword arguments of
+        `train_step`/`evaluate` are accepted and not needed). Returns the per-micro-batch
+        loss dicts where Megatron's schedules return them. Collective over the pipeline."""
+        if collect_non_loss_data:
+            raise ScheduleMismatch("--dhelix does not collect non-loss data "
+                                   "(collect_non_loss_data); drop the non-loss data function")
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        if len(chunks) != 1:
+            raise ScheduleMismatch("one model chunk per rank (no virtual pipeline stages)")
+        (chunk,) = chunks
+        if isinstance(data_iterator, list):
+            data_iterator = data_iterator[0]
+        module = _unwrap(chunk)
+        config = get_model_config(chunk)
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        schedule = self.schedule(pp, num_microbatches, forward_only)
+        _check_fit(schedule, module, num_microbatches)
+        passes = AutogradPasses(chunk_forward(chunk)) if forward_only or self.passes is None \
+            else self.passes
+        self._check_grad_sync(chunk, schedule, passes)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        folded = schedule.path.name == "folded"
+        device = model_device(module)
+        loss = MegatronLoss(chunk, config, num_microbatches, device)
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        executor = StageExecutor(
+            schedule, stage, passes=passes, loss_func=loss, loss_is_scaled=True,
+            next_batch=partial(self._next_batch, forward_step_func, data_iterator, chunk,
+                               folded, schedule.path.stage(FORWARD, schedule.path.num_hops - 1)
+                               == stage),
+            tensor_shape=_pipeline_shape(config, seq_length, micro_batch_size),
+            dtype=config.pipeline_dtype or config.params_dtype, device=device,
+            peer_rank=lambda s: dist.get_global_rank(pp_group, s),
+            grad_scale_func=config.grad_scale_func,
+            context_parallel_size=loss.cp, no_sync=config.no_sync_func)
+        with _without_timers(config), torch.no_grad() if forward_only \
+                else contextlib.nullcontext():
+            losses = executor.run()
+        self.last_step = ExecutedStep(schedule.kind, schedule.path.name, stage, forward_only,
+                                      executor.actions_run, type(passes).__name__)
+        if not forward_only and config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func(
+                [chunk], loss.total_tokens if config.calculate_per_token_loss else None)
+        if folded and self.losses_to_last_stage:
+            return relay_losses_to_last_stage(losses, device)
+        return losses
+
+    @staticmethod
+    def _check_grad_sync(chunk, schedule: Schedule, passes) -> None:
+        """The executor's `no_sync` rule is exact with `overlap_grad_reduce` only where every
+        parameter of the rank gets its last gradient in the rank's last backward action."""
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not ddp_config.overlap_grad_reduce or schedule.forward_only:
+            return
+        if schedule.path.chunks_per_stage > 1 or getattr(passes, "loss_at_forward", False):
+            raise ScheduleMismatch(
+                f"the {schedule.kind} schedule on the {schedule.path.name} path needs DDP "
+                "without overlap_grad_reduce (this rank's parameters get their last gradient "
+                "in different actions); drop --overlap-grad-reduce")
+
+
+def _pipeline_shape(config, seq_length, micro_batch_size) -> tuple:
+    """The shape of the activations and gradients stages exchange ([s/tp with SP, b, h])."""
+    if seq_length is None or micro_batch_size is None:
+        return ()
     seq = seq_length
     if config.sequence_parallel:
         seq //= parallel_state.get_tensor_model_parallel_world_size()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-              else torch.device("cpu"))
-    executor = StageExecutor(
-        schedule, parallel_state.get_pipeline_model_parallel_rank(),
-        passes=passes if passes is not None else AutogradPasses(chunk_forward(chunk)),
-        loss_func=batch_loss or (lambda batch, out: loss_func(batch["loss_mask"], out)),
-        loss_is_scaled=batch_loss is not None,
-        next_batch=next_batch or (lambda: next(data_iterator)),
-        tensor_shape=(seq, micro_batch_size, config.hidden_size),
-        dtype=config.pipeline_dtype or config.params_dtype,
-        device=device,
-        peer_rank=lambda stage: dist.get_global_rank(pp_group, stage),
-        grad_scale_func=config.grad_scale_func,
-        context_parallel_size=parallel_state.get_context_parallel_world_size(),
-    )
-    no_sync = config.no_sync_func or nullcontext
-    with no_sync():
-        losses = executor.run()
-    if config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([chunk])
-    return losses
+    return (seq, micro_batch_size, config.hidden_size)
 
 
 def make_forward_backward_func(build_schedule: Callable[[int, int], Schedule],
                                passes=None) -> Callable:
-    """A function with Megatron's `forward_backward_func` signature (what
-    `dhelix.training.Trainer.forward_backward_func` holds) that runs
-    `build_schedule(pp, num_microbatches)` through the executor, with the pass engine
-    `passes` (default: `AutogradPasses` over the model chunk).
-
-    The executor handles batches itself, exactly like `dhelix.training.forward_step`; any
-    other `forward_step_func` is refused rather than silently ignored.
-    """
-    cache: dict = {}
-
-    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches,
-                         seq_length, micro_batch_size, forward_only=False, **_unused):
-        if forward_step_func is not gpt_forward_step:
-            raise ScheduleMismatch("schedule execution supports dhelix.training.forward_step "
-                                   "batches only")
-        if forward_only:
-            raise ScheduleMismatch("schedule execution is for training (forward_only=False)")
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        key = (pp, num_microbatches)
-        if key not in cache:
-            cache[key] = build_schedule(pp, num_microbatches)
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        return forward_backward_schedule(
-            cache[key], model=chunks, data_iterator=data_iterator,
-            num_microbatches=num_microbatches, seq_length=seq_length,
-            micro_batch_size=micro_batch_size, config=get_model_config(chunks[0]),
-            passes=passes)
-
-    return forward_backward
+    """`ScheduleEngine(build_schedule, passes).forward_backward`: a function with Megatron's
+    `forward_backward_func` signature (what `dhelix.training.Trainer.forward_backward_func`
+    holds)."""
+    return ScheduleEngine(build_schedule, passes).forward_backward

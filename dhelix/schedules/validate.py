@@ -6,8 +6,10 @@ what is wrong); `find_problems` returns them as strings. Checked:
 1. Shape: one list per stage; known action kinds and phases; compute actions carry the
    passes their kind needs (an SI block: one forward and one backward of two different
    micro-batches); communication actions name another stage and at least one tensor;
-   micro-batch and hop indices in range; every pass sits on the rank that holds it.
-2. Counts: every (micro-batch, direction, hop) is computed exactly once.
+   micro-batch and hop indices in range; every pass sits on the rank that holds it; a
+   forward-only schedule holds no backward.
+2. Counts: every (micro-batch, direction, hop) is computed exactly once (forward only for a
+   `forward_only` schedule, which has no backward at all).
 3. Order and data flow on each rank, in list order: a forward's input (the previous hop's
    activation) was received or produced locally before it; a backward comes after the
    forward of the same micro-batch and chunk on this rank, and its output gradient was
@@ -108,6 +110,8 @@ def _shape_problems(schedule: Schedule, rank: int, action: Action) -> list[str]:
         return [f"malformed tensor {bad[0]!r}"] if bad else []
     if action.peer is not None or action.tensors:
         return ["computation carries a peer or tensors"]
+    if schedule.forward_only and action.backward is not None:
+        return ["a forward-only schedule computes no backward"]
     need_f, need_b = action.kind in ("F", "SI"), action.kind in ("B", "SI")
     if (action.forward is not None) != need_f or (action.backward is not None) != need_b:
         return [f"a {action.kind} action needs "
@@ -129,7 +133,7 @@ def _count_problems(schedule: Schedule) -> list[str]:
                 seen[(direction, p.microbatch, p.hop)] += 1
     problems = []
     for mb in range(schedule.num_microbatches):
-        for direction in (FORWARD, BACKWARD):
+        for direction in schedule.directions:
             for hop in range(schedule.path.num_hops):
                 n = seen[(direction, mb, hop)]
                 if n != 1:

@@ -43,7 +43,8 @@ def token_passes(token: int, num_stages: int, num_microbatches: int):
     return fwd, bwd
 
 
-def _phase(fwd, bwd) -> str:
+def phase_of(fwd, bwd) -> str:
+    """warmup (forward only), steady (an SI block) or cooldown (backward only)."""
     if fwd is not None and bwd is not None:
         return "steady"
     return "warmup" if bwd is None else "cooldown"
@@ -65,7 +66,7 @@ def build_w_schedule(num_stages: int, num_microbatches: int) -> Schedule:
             tasks.append(Task(
                 forward=Pass(fwd, hop) if fwd is not None else None,
                 backward=Pass(bwd, hop) if bwd is not None else None,
-                phase=_phase(fwd, bwd),
+                phase=phase_of(fwd, bwd),
             ))
         stage_tasks.append(tasks)
     return emit_schedule("w", path, m, stage_tasks)
