@@ -93,6 +93,13 @@ class OpDAG:
         return cls(direction=data["direction"], ops=tuple(OpNode(**op) for op in data["ops"]))
 
 
+def shared_channels(fwd_ops: Iterable[OpNode], bwd_ops: Iterable[OpNode]) -> list[str]:
+    """Communication channels used by both operator lists (empty when they may be paired)."""
+    a = {op.channel for op in fwd_ops if op.kind == "comm"}
+    b = {op.channel for op in bwd_ops if op.kind == "comm"}
+    return sorted(a & b)
+
+
 def topological_sort(dag: OpDAG) -> list[str]:
     """A topological order preferring the program order (stable Kahn). Raises on a cycle."""
     index = {op.id: i for i, op in enumerate(dag.ops)}

@@ -1,8 +1,11 @@
 """Run a function on N local ranks joined in one torch.distributed group.
 
-Used by the tests and the benchmarks alike. Each rank is a fresh spawned process (no state
-inherited from the caller) with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR=127.0.0.1, a free MASTER_PORT). Guarantees:
+Used by the tests and the benchmarks alike. Each rank is a fresh process (no state inherited
+from the caller) with the caller's environment plus torchrun's (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR=127.0.0.1, a free MASTER_PORT). Without a GPU the ranks are forked from a
+forkserver that imported torch and megatron-core once (`PRELOADED`), so a launch does not
+pay those imports per rank (~4-6 s each on the 2-core machine); with a GPU they are spawned
+(a fork must not inherit CUDA state). Guarantees:
 
 - a hard timeout: if any rank has not finished when it expires, every rank is killed and
   `RankTimeout` is raised naming the ranks still running (no hang);
@@ -28,6 +31,10 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+# Imported once by the forkserver the ranks are forked from (no CUDA, no threads started).
+PRELOADED = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+             "megatron.core.distributed", "megatron.core.pipeline_parallel"]
+
 
 class RankFailed(RuntimeError):
     """A rank raised; the message holds that rank's traceback."""
@@ -50,8 +57,16 @@ class RankContext:
 
 
 def _die_with_parent() -> None:
-    """Linux: have the kernel kill this rank when the process that spawned it dies (a test
-    run interrupted or killed must not leave ranks behind holding memory and ports)."""
+    """Linux: have the kernel kill this rank when the process that started it dies (a test
+    run interrupted or killed must not leave ranks behind holding memory and ports). A rank
+    forked by the forkserver drops the caller's "alive" pipe the server handed it, so the
+    server sees the caller die, exits, and takes its ranks with it."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # private: multiprocessing has no public way to do this
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -64,8 +79,21 @@ def _die_with_parent() -> None:
         pass
 
 
-def _rank_main(fn, rank, world_size, port, env, args, kwargs, results):
+def _rank_context():
+    """The multiprocessing context ranks start from: a forkserver with `PRELOADED` imported
+    where no NVIDIA device exists, else spawn."""
+    if os.path.exists("/dev/nvidiactl"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)  # takes effect when the server starts
+    return ctx
+
+
+def _rank_main(fn, rank, world_size, port, caller_env, env, args, kwargs, results):
     _die_with_parent()
+    # The caller's environment now (a forkserver's is the caller's when it started, plus
+    # what the preloaded imports set); then the launch's own variables.
+    os.environ.update(caller_env)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -92,14 +120,15 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: floa
 
     `fn` must be importable by name (module-level). Returns the per-rank results.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = []
     for rank in range(world_size):
         proc = ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, dict(env or {}), args, kwargs, results),
+            args=(fn, rank, world_size, port, dict(os.environ), dict(env or {}), args, kwargs,
+                  results),
             daemon=False,  # a daemonic process may not start children; a rank may
         )
         proc.start()

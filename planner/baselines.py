@@ -20,7 +20,8 @@ produce the same `Pairing` structure as the DP search.
 from __future__ import annotations
 
 from dhelix.dag import OpDAG, topological_sort
-from planner.blocks import Block, Pairing, merge_solo_runs, shared_channels
+from dhelix.dag import shared_channels
+from planner.blocks import Block, Pairing, merge_solo_runs
 
 
 def sequential_pairing(fwd: OpDAG, bwd: OpDAG) -> Pairing:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from dhelix.dag import OpDAG, OpNode, topological_violation
+from dhelix.dag import OpDAG, OpNode, shared_channels, topological_violation
 
 CHANNEL_BITS = {"intra": 1, "inter": 2}  # communication channels as bits of a mask
 
@@ -62,13 +62,6 @@ def comm_mask(ops: Iterable[OpNode]) -> int:
         if op.kind == "comm":
             mask |= CHANNEL_BITS[op.channel]
     return mask
-
-
-def shared_channels(fwd_ops: Iterable[OpNode], bwd_ops: Iterable[OpNode]) -> list[str]:
-    """Communication channels used by both operator lists (empty when they may be paired)."""
-    a = {op.channel for op in fwd_ops if op.kind == "comm"}
-    b = {op.channel for op in bwd_ops if op.kind == "comm"}
-    return sorted(a & b)
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import fmean
 
-from dhelix.dag import OpDAG, OpNode
+from dhelix.dag import OpDAG, OpNode, shared_channels
 from dhelix.file_formats import REGENERATE, FormatError
-from planner.blocks import shared_channels
-from profiler.profile_file import Profile, canonical_hardware
+from profiler.profile_file import Profile, canonical_hardware, oef
 
 ANALYTIC_PROFILE_SHA = "analytic-v1"
 
@@ -76,11 +75,6 @@ def default_solo_ms(op: OpNode) -> float:
     """The analytic-default solo time of an operator (see the module docstring)."""
     ms = DEFAULT_SOLO_MS.get(op.op_class, DEFAULT_UNKNOWN_MS)
     return ms * INTER_NODE_FACTOR if op.channel == "inter" else ms
-
-
-def oef(t_a: float, t_b: float, p_ab: float) -> float:
-    """Overlap effectiveness factor (T_a + T_b - P_ab) / min(T_a, T_b)."""
-    return (t_a + t_b - p_ab) / min(t_a, t_b)
 
 
 def sigma_from_oef(value: float) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.blocks import shared_channels
+from dhelix.dag import shared_channels
 from profiler.profile_file import PAIR_SEPARATOR
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from statistics import fmean, median
 
-from planner.costs import oef
+from profiler.profile_file import oef
 
 CLASS_ORDER = ("gemm", "attention", "norm", "elementwise", "all_gather", "reduce_scatter",
                "all_reduce", "send_recv", "all_to_all")

@@ -30,6 +30,11 @@ PAIR_SEPARATOR = "|"
 META_FIELDS = {"repeats": 1, "warmup": 0, "ranks": 1}  # integer field -> smallest legal value
 
 
+def oef(t_a: float, t_b: float, p_ab: float) -> float:
+    """Overlap effectiveness factor (T_a + T_b - P_ab) / min(T_a, T_b)."""
+    return (t_a + t_b - p_ab) / min(t_a, t_b)
+
+
 def pair_key(key_a: str, key_b: str) -> frozenset | tuple:
     """The lookup key of an unordered pair of cost keys (a frozenset, or a 1-tuple when both
     operators share one cost key)."""

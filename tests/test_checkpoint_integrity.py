@@ -11,6 +11,8 @@ from dhelix.checkpoint_integrity import MANIFEST
 from dhelix.harness import run_on_ranks
 from tests.checkpoint_ranks import DAMAGE, damaged_loads
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 EARLIER = "resume from an earlier iteration with --ckpt-step N (saved under"
 
 

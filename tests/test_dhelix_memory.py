@@ -9,6 +9,8 @@ import pytest
 from dhelix.harness import run_on_ranks
 from scripts.bench_dhelix_pp1 import bench_body
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 
 def test_dhelix_peak_memory_within_bound():
     args = ["--preset", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -14,6 +14,8 @@ from scripts.bench_dhelix_pp1 import bench_body
 from tests.engine_checks import assert_ran_on_the_engine
 from tests.pipeline_ranks import dhelix_pipeline_parity
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 FP32_LOSS = 2e-6    # |loss diff|, losses ~7
 FP32_GRAD = 1e-7    # max |grad diff|: accumulation order of tied-embedding grads differs
 FP32_PARAM = 1e-7   # SGD lr 0.05: param diffs are lr x grad diffs

@@ -119,11 +119,13 @@ def test_pp1_pairings_run_on_the_one_engine(tp2, name, kind, passes):
     assert all(rank["si_blocks"] == expected_si for rank in executed["train"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES_TP2) + ["tp2_plan_file"])
 def test_dhelix_matches_megatron_tp2(tp2, name):
     _check(tp2[name])
 
 
+@pytest.mark.slow
 def test_layer_pairs_meet_at_seams_only_where_the_plan_has_one(tp2, tp4):
     """The parity rows above include plans whose layer pairs overlap at a seam (TP=2,
     TP=2+SP with Llama layers, TP=4+SP); the tiny preset's own plans have none."""
@@ -134,10 +136,12 @@ def test_layer_pairs_meet_at_seams_only_where_the_plan_has_one(tp2, tp4):
             {**tp2, **tp4}[name]["describe"]
 
 
+@pytest.mark.slow
 def test_plan_file_is_used(tp2, plan_file_tp2):
     assert tp2["tp2_plan_file"]["plan_source"] == f"file {plan_file_tp2}"
 
 
+@pytest.mark.slow
 def test_plan_for_another_layout_is_rejected(plan_file_tp2):
     """A plan made for TP=2 without SP, checked against a TP=2 SP run: the error names the
     differing fingerprint fields and the command that regenerates the plan."""
@@ -169,6 +173,7 @@ def _train_one_rank(cwd: Path, megatron_args: list) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
     """Plan for model A (hidden 128), train model B (hidden 256) with it: refused, with a
     `dhelix plan` command. Run that command literally, then the same training command: the
@@ -192,11 +197,13 @@ def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
     assert f"dhelix: plan file {plan}" in accepted.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES_TP4))
 def test_dhelix_matches_megatron_tp4(tp4, name):
     _check(tp4[name])
 
 
+@pytest.mark.slow
 def test_plans_differ_between_pairers(tp2):
     """The pairers really produced different plans (so parity covers several)."""
     blocks = {tp2[n]["blocks"] for n in ("tp2_sequential", "tp2_round_robin", "tp2_dp")}

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "dhelix_trainer.py"
 TINY = ["--preset", "tiny", "--train-iters", "1", "--global-batch-size", "4"]
@@ -45,6 +47,7 @@ def test_bad_input_is_refused_before_torchrun_starts():
         assert (proc.returncode, _lines(proc.stderr), proc.stdout) == (2, [line], ""), argv
 
 
+@pytest.mark.slow
 def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     good = _dhelix_train("--nproc-per-node", "1", *TINY, "--save", str(ckpt),

@@ -11,6 +11,8 @@ import pytest
 from dhelix.harness import run_on_ranks
 from tests.foundation_ranks import layout_parity_and_resume
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 FP32_LOSS = 2e-6     # |loss diff|, losses ~7
 FP32_GRAD = 5e-7     # max |grad diff| over every parameter
 FP32_PARAM = 5e-7    # max |param diff| after SGD (lr 0.05) steps

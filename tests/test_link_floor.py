@@ -5,7 +5,11 @@ on the same groups, one at a time and all at once, and returns."""
 
 from __future__ import annotations
 
+import pytest
+
 from dhelix.harness import run_on_ranks
+
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
 
 def _record_and_replay(ctx):

@@ -11,6 +11,8 @@ import pytest
 from dhelix.harness import run_on_ranks
 from tests.megatron_lm_ranks import data_and_checkpoint_body, write_indexed_corpus
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 FP32_LOSS = 2e-6
 FP32_PARAM = 1e-6

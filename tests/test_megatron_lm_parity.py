@@ -13,6 +13,8 @@ import pytest
 
 from tests.megatron_lm_ranks import assert_parity, launch_parity
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 FP32_LOSS = 2e-6    # |loss diff|, losses ~7
 FP32_GRAD = 1e-7    # max |grad diff| (accumulation order differs)
 FP32_PARAM = 1e-6   # Adam lr 3e-4 after a few steps

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 QUICK_START = [

@@ -11,6 +11,8 @@ import pytest
 from dhelix.harness import run_on_ranks
 from tests.job_ranks import job_checks
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 TIMEOUT_S = 37  # neither torch's/Megatron's 30 min nor init_process_group_from_env's 300 s
 JOB_TIMEOUT = timedelta(seconds=TIMEOUT_S)
 TORCH_DEFAULT = timedelta(minutes=30)

@@ -14,7 +14,8 @@ from dhelix.checkpoint_integrity import find_damage
 from dhelix.checkpointing import TRACKER, iteration_dir
 from tests.launched_job import LaunchedJob
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes"),
+              pytest.mark.slow]  # multi-process: not in the fast tier
 
 TINY = ["--preset", "tiny"]
 
@@ -78,7 +79,7 @@ def test_stalled_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, nproc,
     """SIGSTOP of one rank: the job ends about --distributed-timeout-minutes after the stall,
     naming the rank, and nothing of it is left (the stopped rank included)."""
     timeout_s = 6
-    args = TINY + layout + ["--train-iters", "100000", "--log-interval", "20",
+    args = TINY + layout + ["--train-iters", "100000", "--log-interval", "1",
                             "--distributed-timeout-minutes", str(timeout_s / 60)]
     with LaunchedJob(nproc, args, tmp_path) as job:
         job.wait_for(lambda: re.search(r"iteration +\d+/", job.stdout()), 240,

@@ -21,12 +21,14 @@ def _check(report):
             assert row["grad_diff"] < 1e-5, row
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_dhelix_parity_one_gpu():
     _check(run_on_ranks(dhelix_parity, 1, {"tp1_dp": dict(tp=1, pairer="dp")},
                         timeout_s=600)[0])
 
 
+@pytest.mark.slow
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_dhelix_parity_tp2_lanes_on_nccl():

@@ -18,8 +18,9 @@ import pytest
 from dhelix.bench.systems import SYSTEM_NAMES
 from tests.cluster.support import ROOT, host_network_state, unavailable_reason
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=str(unavailable_reason()))
+pytestmark = [pytest.mark.skipif(unavailable_reason() is not None,
+                                 reason=str(unavailable_reason())),
+              pytest.mark.slow]  # multi-process: not in the fast tier
 
 
 def _namespaces() -> set:

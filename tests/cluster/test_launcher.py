@@ -43,6 +43,7 @@ def _assert_clean(run_id: str, before: tuple[str, str], token: str | None = None
         assert processes_with(token) == [], "node processes survived the run"
 
 
+@pytest.mark.slow
 def test_two_nodes_two_ranks_topology_shaping_and_cleanup():
     before = host_network_state()
     result = launch(["--nodes", "2", "--ranks-per-node", "2", "--bandwidth", "50mbit",
@@ -80,6 +81,7 @@ def test_two_nodes_two_ranks_topology_shaping_and_cleanup():
     _assert_clean(run_id_of(result), before)
 
 
+@pytest.mark.slow
 def test_failing_node_stops_the_others_and_its_exit_code_propagates():
     before, token = host_network_state(), uuid.uuid4().hex
     start = time.monotonic()
@@ -91,6 +93,7 @@ def test_failing_node_stops_the_others_and_its_exit_code_propagates():
     _assert_clean(run_id_of(result), before, token)
 
 
+@pytest.mark.slow
 def test_timeout_stops_every_node_with_exit_code_124():
     before, token = host_network_state(), uuid.uuid4().hex
     result = launch(["--nodes", "2", "--timeout", "8", "--grace", "2", "--",
@@ -101,6 +104,7 @@ def test_timeout_stops_every_node_with_exit_code_124():
     _assert_clean(run_id_of(result), before, token)
 
 
+@pytest.mark.slow
 def test_overlap_check_hides_communication_on_a_shaped_link(tmp_path):
     # 1 MB at 50mbit: the all_reduce waits on the link, so the matmuls run meanwhile.
     before, out = host_network_state(), tmp_path / "overlap.json"
@@ -120,6 +124,7 @@ def test_overlap_check_hides_communication_on_a_shaped_link(tmp_path):
     _assert_clean(run_id_of(result), before)
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_launcher_cleans_up():
     signum = signal.SIGINT  # SIGTERM/SIGHUP take the same path (tests/cluster/test_parts.py)
     before, token = host_network_state(), uuid.uuid4().hex
@@ -179,6 +184,7 @@ def test_cleanup_stale_removes_dead_runs_only():
 
 @pytest.mark.skipif(netem_unavailable_reason() is not None,
                     reason=str(netem_unavailable_reason()))
+@pytest.mark.slow
 def test_latency_is_applied_one_way_per_direction():
     # A one-float ping-pong across nodes crosses each direction's delay once: >= 2 x 20 ms.
     before = host_network_state()

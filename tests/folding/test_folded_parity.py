@@ -19,6 +19,8 @@ import pytest
 from dhelix.harness import run_on_ranks
 from tests.folding.rank_checks import folded_parity
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 SGD = ["--optimizer", "sgd", "--lr", "0.05"]
 CASES = {
     "tp2pp2_sp_m4": dict(tp=2, pp=2, sp=True, back=(1, 1),

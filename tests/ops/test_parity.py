@@ -14,6 +14,8 @@ import pytest
 
 from tests.ops import rank_checks as rc
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 # "Equal to fp32 rounding". The kernels reproduce Megatron's operations one for one, so
 # the differences measured on CPU are exactly 0; the bound leaves room for a GPU whose
 # kernels may pick different reduction orders for identical calls.

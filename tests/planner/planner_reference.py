@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from dhelix.dag import OpDAG, OpNode, topological_violation
-from planner.blocks import Block, shared_channels
+from dhelix.dag import OpDAG, OpNode, shared_channels, topological_violation
+from planner.blocks import Block
 from planner.cosched import simulate_block
 from profiler.profile_file import Profile, pair_key
 

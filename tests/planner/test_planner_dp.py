@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from tests.planner.planner_reference import exhaustive_best, random_dag, random_profile
 
-from dhelix.dag import OpDAG, OpNode, topological_violation
-from planner.blocks import Block, Pairing, layer_seam, pairing_violation, shared_channels
+from dhelix.dag import OpDAG, OpNode, shared_channels, topological_violation
+from planner.blocks import Block, Pairing, layer_seam, pairing_violation
 from planner.cosched import block_cost_table, op_masks, simulate_block, strand_alone_ms
 from planner.costs import build_cost_model
 from planner.dp import dp_search

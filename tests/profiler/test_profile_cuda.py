@@ -32,6 +32,7 @@ def test_cuda_event_timer_measures_the_region():
     assert timer.collect() == []
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_comp_only_bf16_profile_one_gpu(tmp_path):
     out = tmp_path / "gpu.json"
@@ -61,6 +62,7 @@ def _tp2_profile(ctx, output):
             "classes": sorted({v["class"] for v in result.ops.values()})}
 
 
+@pytest.mark.slow
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_profile_on_nccl_lanes(tmp_path):

@@ -16,6 +16,8 @@ from profiler.heatmap import class_table
 from profiler.profile_file import load_profile
 from tests.profiler.profile_ranks import profile_resume_and_train
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 FULL_BUDGET_S = 180  # issue #6: a full tiny profile on 2 gloo ranks in under 3 minutes
 OPTIONS = ["--warmup", "1", "--repeats", "3"]
 STOP_AFTER = 20
@@ -43,8 +45,8 @@ def _run_dags():
 
 
 def test_full_profile_is_complete_valid_and_fast(launch):
-    from planner.costs import check_profile_covers, oef
-    from profiler.profile_file import load_profile
+    from planner.costs import check_profile_covers
+    from profiler.profile_file import load_profile, oef
 
     workdir, results = launch
     first = results[0]
