@@ -46,11 +46,11 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
 from dhelix.runtime.forward_step_capture import capture_forward_step
-from dhelix.runtime.megatron_training import folded_data_view, relay_losses_to_last_stage
 from dhelix.schedules.actions import FORWARD, Schedule
 from dhelix.schedules.executor import AutogradPasses, StageExecutor
 from dhelix.schedules.sequential import build_forward_only_schedule
 from megatron_patches.folded_model import FoldedGPTModel
+from megatron_patches.folded_stage_io import folded_data_view, relay_losses_to_last_stage
 
 
 class ScheduleMismatch(ValueError):
