@@ -14,7 +14,12 @@
    `GPTModelBuilder.build_model` (the model-config path of `pretrain`, Megatron-LM 0.19's
    pretrain_gpt.py) builds this stage's `FoldedGPTModel` from the same config, layer spec and
    seed instead of a stock GPTModel stage.
-3. The forward/backward function (`megatron.training.training.get_forward_backward_func`,
+3. Mixed precision (`megatron.training.training.Float16Module`, imported by name and called
+   by `get_model` for `--bf16`/`--fp16`): a folded stage is wrapped in
+   `megatron_patches.folded_float16.FoldedFloat16Module`, which converts at the folded
+   model's ends (both on stage 0) instead of on the first and last pipeline stages; every
+   other model chunk gets Megatron's `Float16Module`.
+4. The forward/backward function (`megatron.training.training.get_forward_backward_func`,
    imported by name and called by `train()` and `evaluate()`): with `--dhelix` it returns
    the DHelix schedule built for the model `setup_model_and_optimizer` returned
    (`dhelix.runtime.setup.setup_dhelix`); Megatron's no_sync / grad-sync / param-sync /
@@ -166,6 +171,13 @@ def _hook_model_builder(gpt_models) -> None:
     gpt_models.GPTModelBuilder.build_model = build_model
 
 
+def _hook_float16_module(training) -> None:
+    """`get_model` wraps each chunk as `Float16Module(config, chunk)` for --bf16/--fp16."""
+    from megatron_patches.folded_float16 import float16_module
+
+    training.Float16Module = float16_module
+
+
 def _dhelix_view(args):
     """Megatron's args as `dhelix.runtime.setup` (and the plan fingerprints,
     `dhelix.run_fingerprint`) read them: plus the number of micro-batches, which Megatron
@@ -245,4 +257,5 @@ def install_training_hooks() -> None:
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
     _hook_training(training)
+    _hook_float16_module(training)
     _hook_parse_args(arguments)

@@ -89,11 +89,11 @@ class FoldedOperatorPasses:
         return self._forward_tail(work, y, rotary, embedding, executions)
 
     # ----------------------------------------------------------------- backward
-    @staticmethod
-    def keep_loss(state: ChunkPassState, loss: torch.Tensor) -> None:
+    def keep_loss(self, state: ChunkPassState, loss: torch.Tensor) -> None:
         """Back-propagate the (scaled) loss now, through the loss, output layer and final
         norm, into the leaf; keep only the leaf's gradient. Returns None (nothing to keep)."""
-        torch.autograd.backward(loss)
+        with self.parts.tied_loss_tail():
+            torch.autograd.backward(loss)
         state.hidden_grad, state.hidden = state.hidden.grad, None
         return None
 
@@ -106,14 +106,14 @@ class FoldedOperatorPasses:
         grad, state.hidden_grad = state.hidden_grad, None
         return grad
 
-    @staticmethod
-    def _backward_tail(work: BackwardWork, grad: torch.Tensor):
+    def _backward_tail(self, work: BackwardWork, grad: torch.Tensor):
         """The pass's input gradient, or None after back-propagating into the embedding."""
         state = work.state
         state.executions = []
         if state.embedding is None:
             return grad
-        torch.autograd.backward(state.embedding, grad_tensors=grad)
+        with self.parts.tied_embedding():
+            torch.autograd.backward(state.embedding, grad_tensors=grad)
         state.embedding = None
         return None
 
@@ -121,6 +121,11 @@ class FoldedOperatorPasses:
         grad = self._backward_head(work)
         grad = self.runner.backward_alone(list(reversed(work.state.executions)), grad)
         return self._backward_tail(work, grad)
+
+    def finish_step(self) -> None:
+        """After the step's last pass, before the gradients are finalised: the tied
+        embedding's output-layer gradients join main_grad (`GPTParts.finish_step`)."""
+        self.parts.finish_step()
 
     # ---------------------------------------------------------------- SI block
     def si(self, forward: ForwardWork, backward: BackwardWork):

@@ -72,13 +72,14 @@ class DHelixSchedule:
     def _start_backward(self, mb: _MicroBatch, config) -> torch.Tensor:
         """Loss backward through the output layer and final norm (Megatron's backward_step,
         with grad scaling); returns the gradient of the last layer's output."""
-        grad = mcore_schedules.backward_step(mb.hidden, mb.output_tensor, None, config)
+        with self.parts.tied_loss_tail():
+            grad = mcore_schedules.backward_step(mb.hidden, mb.output_tensor, None, config)
         mb.hidden = mb.output_tensor = None
         return grad
 
-    @staticmethod
-    def _finish_backward(mb: _MicroBatch, grad_input: torch.Tensor) -> None:
-        torch.autograd.backward(mb.pre.decoder_input, grad_tensors=grad_input)
+    def _finish_backward(self, mb: _MicroBatch, grad_input: torch.Tensor) -> None:
+        with self.parts.tied_embedding():
+            torch.autograd.backward(mb.pre.decoder_input, grad_tensors=grad_input)
         mb.pre = None
         mb.executions.clear()
 

@@ -27,20 +27,17 @@ from dhelix.schedules.executor import AutogradPasses, StageExecutor
 from dhelix.training import forward_step as gpt_forward_step
 from dhelix.training import loss_func as gpt_loss_func
 from megatron_patches.folded_model import FoldedGPTModel
+from megatron_patches.gpt_parts import unwrap_gpt
 
 
 class ScheduleMismatch(ValueError):
     """The schedule does not fit the model, the pipeline or the batch."""
 
 
-def _unwrap(model):
-    return getattr(model, "module", model)
-
-
 def chunk_forward(model) -> Callable:
-    """forward_chunk(batch, chunk, input) for the executor, for a (DDP-wrapped) folded or
-    stock GPT model chunk."""
-    module = _unwrap(model)
+    """forward_chunk(batch, chunk, input) for the executor, for a (DDP- and
+    Float16Module-wrapped) folded or stock GPT model chunk."""
+    module = unwrap_gpt(model)
     if isinstance(module, FoldedGPTModel):
         def run(batch, chunk, inp):
             return model(batch["tokens"], batch["position_ids"], None, decoder_input=inp,
@@ -81,12 +78,13 @@ def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
     and `batch_loss(batch, output) -> (scaled loss, info)` are given (Megatron's forward
     step and loss scaling: `dhelix.runtime.megatron_training`). Returns the per-micro-batch
     loss dicts on the rank that computes the loss (first stage for folded, last for linear),
-    [] elsewhere. Collective over all ranks."""
+    [] elsewhere. A pass engine with a `finish_step()` method has it called after the
+    last pass, before the gradients are finalised. Collective over all ranks."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise ScheduleMismatch("one model chunk per rank (no virtual pipeline stages)")
     (chunk,) = chunks
-    module = _unwrap(chunk)
+    module = unwrap_gpt(chunk)
     _check_fit(schedule, module, num_microbatches)
     ddp_config = getattr(chunk, "ddp_config", None)
     if ddp_config is not None and ddp_config.overlap_grad_reduce:
@@ -113,6 +111,9 @@ def forward_backward_schedule(schedule: Schedule, *, model, data_iterator,
     no_sync = config.no_sync_func or nullcontext
     with no_sync():
         losses = executor.run()
+    finish_step = getattr(executor.passes, "finish_step", None)
+    if finish_step is not None:
+        finish_step()
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func([chunk])
     return losses
