@@ -50,9 +50,9 @@ class FoldedFloat16Module(Float16Module):
 
 
 def float16_module(config, module):
-    """What `megatron.training.training.get_model` builds around each model chunk of a
-    `--bf16`/`--fp16` run: `FoldedFloat16Module` for a folded stage, Megatron's
-    `Float16Module` for anything else."""
+    """The `mixed_precision_wrapper` for `GPTModelBuilder.build_distributed_models` in a
+    folded run (`megatron_patches.training_hooks`): `FoldedFloat16Module` for a folded stage,
+    Megatron's `Float16Module` for anything else."""
     if isinstance(module, FoldedGPTModel):
         return FoldedFloat16Module(config, module)
     return Float16Module(config, module)

@@ -14,11 +14,12 @@
    `GPTModelBuilder.build_model` (the model-config path of `pretrain`, Megatron-LM 0.19's
    pretrain_gpt.py) builds this stage's `FoldedGPTModel` from the same config, layer spec and
    seed instead of a stock GPTModel stage.
-3. Mixed precision (`megatron.training.training.Float16Module`, imported by name and called
-   by `get_model` for `--bf16`/`--fp16`): a folded stage is wrapped in
+3. Mixed precision (`GPTModelBuilder.build_distributed_models`, whose
+   `mixed_precision_wrapper` defaults to megatron-core's `Float16Module`, applied with
+   `--bf16`): a folded stage is wrapped in
    `megatron_patches.folded_float16.FoldedFloat16Module`, which converts at the folded
-   model's ends (both on stage 0) instead of on the first and last pipeline stages; every
-   other model chunk gets Megatron's `Float16Module`.
+   model's ends (both on stage 0) instead of on the first and last pipeline stages; a
+   wrapper the caller chose itself is kept.
 4. The forward/backward function (`megatron.training.training.get_forward_backward_func`,
    imported by name and called by `train()` and `evaluate()`): with `--dhelix` it returns
    the DHelix schedule built for the model `setup_model_and_optimizer` returned
@@ -33,6 +34,7 @@ run: the wheel's prebuilt dataset helpers are used instead of compiling them
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 
 from dhelix.arguments import add_dhelix_runtime_args
@@ -170,12 +172,24 @@ def _hook_model_builder(gpt_models) -> None:
 
     gpt_models.GPTModelBuilder.build_model = build_model
 
+    original_distributed = gpt_models.GPTModelBuilder.build_distributed_models
+    signature = inspect.signature(original_distributed)
 
-def _hook_float16_module(training) -> None:
-    """`get_model` wraps each chunk as `Float16Module(config, chunk)` for --bf16/--fp16."""
-    from megatron_patches.folded_float16 import float16_module
+    @functools.wraps(original_distributed)
+    def build_distributed_models(self, *args, **kwargs):
+        if not _folded(_megatron_args()):
+            return original_distributed(self, *args, **kwargs)
+        from megatron.core.transformer.module import Float16Module
 
-    training.Float16Module = float16_module
+        from megatron_patches.folded_float16 import float16_module
+
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["mixed_precision_wrapper"] is Float16Module:
+            bound.arguments["mixed_precision_wrapper"] = float16_module
+        return original_distributed(*bound.args, **bound.kwargs)
+
+    gpt_models.GPTModelBuilder.build_distributed_models = build_distributed_models
 
 
 def _dhelix_view(args):
@@ -257,5 +271,4 @@ def install_training_hooks() -> None:
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
     _hook_training(training)
-    _hook_float16_module(training)
     _hook_parse_args(arguments)

@@ -23,10 +23,12 @@ TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4
 class _Recorder:
     """Per training step of the current run: the full parameters before the step, the full
     gradients after the schedule (both layout-independent, `dhelix.parity`), and the global
-    batch's mean token loss (only rank 0 keeps them); and the layer pairs this rank
-    co-executed (`LayerRunner.run_paired`: the DHelix SI path really ran)."""
+    batch's mean token loss (only rank 0 keeps them); per evaluation call (forward only) its
+    mean token loss (rank 0); and the layer pairs this rank co-executed
+    (`LayerRunner.run_paired`: the DHelix SI path really ran)."""
 
     steps: list = []
+    evals: list = []
     pairs: int = 0
 
 
@@ -59,7 +61,11 @@ def _recording(get_forward_backward_func):
 
         def recorded(**step):
             if step.get("forward_only"):
-                return forward_backward(**step)
+                losses = forward_backward(**step)
+                loss = _global_loss(losses)
+                if dist.get_rank() == 0:
+                    _Recorder.evals.append(loss)
+                return losses
             params = gather_full_tensors(step["model"], "param")
             losses = forward_backward(**step)
             grads = gather_full_tensors(step["model"], "grad")
@@ -100,7 +106,7 @@ def pretrain_in_process(argv: list[str]) -> list:
     from dhelix.megatron_lm import run_script
 
     install_recorder()
-    _Recorder.steps, _Recorder.pairs = [], 0
+    _Recorder.steps, _Recorder.evals, _Recorder.pairs = [], [], 0
     try:
         run_script(SCRIPT, list(argv))
     finally:
@@ -125,16 +131,21 @@ def compare_runs(stock: list, dhelix: list) -> dict:
 
 def parity_body(ctx, cases: dict, train_iters: int) -> dict:
     """For each case NAME -> extra Megatron arguments: train stock Megatron, then the same
-    command line with --dhelix, and compare them step by step (rank 0 returns the report)."""
+    command line with --dhelix, and compare them step by step, and their evaluation losses
+    call by call (rank 0 returns the report)."""
     report = {}
     for name, extra in cases.items():
         argv = TINY + ["--train-iters", str(train_iters)] + list(extra)
         stock = pretrain_in_process(argv)
+        stock_evals = list(_Recorder.evals)
         dhelix = pretrain_in_process(argv + ["--dhelix"])
         pairs = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, _Recorder.pairs)
         if ctx.rank == 0:
-            report[name] = {**compare_runs(stock, dhelix), "pairs": pairs}
+            report[name] = {**compare_runs(stock, dhelix), "pairs": pairs,
+                            "evals": (len(stock_evals), len(_Recorder.evals)),
+                            "eval_diff": max((abs(a - b) for a, b in
+                                              zip(stock_evals, _Recorder.evals)), default=0.0)}
     return report
 
 

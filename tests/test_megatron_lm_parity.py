@@ -57,7 +57,10 @@ FP32_CASES = {
 BF16 = ["--bf16"]
 BF16_EXACT_CASES = {
     "bf16_tp2": TP2 + BF16,
-    "bf16_tp2_pp2_noclip": TP2 + PP2 + BF16 + ["--clip-grad", "0"],
+    # with evaluation after step 3 (and Megatron's final validation and test evaluations):
+    # the one place the folded model runs through its Float16Module's forward
+    "bf16_tp2_pp2_noclip": TP2 + PP2 + BF16 + ["--clip-grad", "0", "--eval-interval",
+                                               str(STEPS), "--eval-iters", "1"],
 }
 BF16_CLIPPED_CASES = {"bf16_tp2_pp2": TP2 + PP2 + BF16}
 BF16_CLIPPED_LOSS = 1e-4  # |loss diff| after step 1, TP2 x PP2 with clipping (docstring)
@@ -74,6 +77,8 @@ def report():
                   f"grad diff {row['grad_diff']:.1e} ({row['grad_key']}), param diff before "
                   f"the step {row['param_diff']:.1e} ({row['param_key']}); co-executed layer "
                   f"pairs per rank {case['pairs']}")
+        print(f"{name}: evaluation calls {case['evals']}, max |eval loss diff| "
+              f"{case['eval_diff']:.1e}")
     return result
 
 
@@ -96,6 +101,8 @@ def test_dhelix_matches_megatron_in_pretrain(report, name):
 
 def _bf16_exact(case) -> None:
     _ran_both(case)
+    assert case["evals"][0] == case["evals"][1]
+    assert case["eval_diff"] == 0.0
     for row in case["rows"]:
         assert row["loss_diff"] == 0.0
         assert row["grad_diff"] == 0.0, row["grad_key"]
@@ -114,6 +121,10 @@ def _bf16_clipped(case) -> None:
 @pytest.mark.parametrize("name", sorted(BF16_EXACT_CASES))
 def test_dhelix_bf16_is_bit_identical_to_megatron(report, name):
     _bf16_exact(report[name])
+
+
+def test_dhelix_bf16_pipelined_evaluation_ran(report):
+    assert report["bf16_tp2_pp2_noclip"]["evals"][0] >= 1
 
 
 def test_dhelix_bf16_pipelined_with_clipping_within_bound(report):
