@@ -16,7 +16,8 @@ and main params), in the same launch:
   (`megatron_patches.tied_embedding`); added to main_grad separately they differed by
   6.1e-5 after one step and the losses by up to 1.5e-5 after two.
 - TP2 x PP2 without grad clipping (`bf16_tp2_pp2_noclip`, `--clip-grad 0`): bit-identical,
-  every step. The folded stage sums the tied weight's output-layer gradients apart in fp32
+  every step, and so are its evaluation losses (Megatron's `evaluate()` runs the folded
+  model through `FoldedFloat16Module.forward`). The folded stage sums the tied weight's output-layer gradients apart in fp32
   and adds them after the step, as stock's embedding all-reduce adds the last stage's.
 - TP2 x PP2 with Megatron's default clipping (`bf16_tp2_pp2`): the first step is
   bit-identical (losses, gradients); the parameters after it are not, by a different but

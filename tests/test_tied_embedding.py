@@ -4,6 +4,8 @@ post-accumulate hook (`param.main_grad.add_(param.grad)`, then `param.grad = Non
 schedules' two backward passes (loss tail, then embedding) must give exactly what one
 stock backward (PP = 1) or two stock stages summed after the step (PP > 1) give."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -39,27 +41,26 @@ def _loss(weight, hidden):
     return (hidden @ weight.t()).float().square().mean()
 
 
+def _two_passes(embedding_weight, output_weight, tokens, mix, tied=None):
+    """The schedules' order: the loss tail from a detached leaf, then the embedding."""
+    emb = _embed(embedding_weight, tokens)
+    leaf = (emb.detach() * mix).requires_grad_(True)
+    with tied.loss_tail() if tied else contextlib.nullcontext():
+        _loss(output_weight, leaf).backward()
+    with tied.embedding() if tied else contextlib.nullcontext():
+        emb.backward(leaf.grad * mix)
+
+
 def test_pp1_two_passes_equal_one_stock_backward():
-    stock, dhelix = _weight(), _weight()
+    stock, dhelix, apart = _weight(), _weight(), _weight()
     tied = TiedEmbeddingGradient(dhelix, TiedSum.JOIN_PER_MICROBATCH)
     for tokens, mix in _micro_batches():
         # stock: one graph through the embedding and the output layer
         (_loss(stock, _embed(stock, tokens) * mix)).backward()
-        # DHelix: loss tail first (from a detached leaf), then the embedding
-        emb = _embed(dhelix, tokens)
-        leaf = (emb.detach() * mix).requires_grad_(True)
-        with tied.loss_tail():
-            _loss(dhelix, leaf).backward()
-        with tied.embedding():
-            emb.backward(leaf.grad * mix)
+        _two_passes(dhelix, dhelix, tokens, mix, tied)
+        _two_passes(apart, apart, tokens, mix)  # without the keeper
     assert torch.equal(stock.main_grad, dhelix.main_grad)
-    # without the keeper the two halves reach main_grad apart: not equal in bf16
-    apart = _weight()
-    for tokens, mix in _micro_batches():
-        emb = _embed(apart, tokens)
-        leaf = (emb.detach() * mix).requires_grad_(True)
-        _loss(apart, leaf).backward()
-        emb.backward(leaf.grad * mix)
+    # the two halves reaching main_grad apart differ from stock in bf16
     assert not torch.equal(stock.main_grad, apart.main_grad)
 
 
@@ -68,17 +69,8 @@ def test_pipelined_sides_summed_apart_then_added():
     tied = TiedEmbeddingGradient(folded, TiedSum.APART_PER_STEP)
     for tokens, mix in _micro_batches():
         # stock PP > 1: the embedding on the first stage, a copy of the weight on the last
-        emb = _embed(first, tokens)
-        leaf = (emb.detach() * mix).requires_grad_(True)
-        _loss(last, leaf).backward()
-        emb.backward(leaf.grad * mix)
-        # folded stage 0: both sides on one weight
-        emb = _embed(folded, tokens)
-        leaf = (emb.detach() * mix).requires_grad_(True)
-        with tied.loss_tail():
-            _loss(folded, leaf).backward()
-        with tied.embedding():
-            emb.backward(leaf.grad * mix)
+        _two_passes(first, last, tokens, mix)
+        _two_passes(folded, folded, tokens, mix, tied)  # folded stage 0: one weight
     tied.finish_step()
     assert torch.equal(first.main_grad + last.main_grad, folded.main_grad)
 
