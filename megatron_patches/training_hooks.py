@@ -14,7 +14,13 @@
    `GPTModelBuilder.build_model` (the model-config path of `pretrain`, Megatron-LM 0.19's
    pretrain_gpt.py) builds this stage's `FoldedGPTModel` from the same config, layer spec and
    seed instead of a stock GPTModel stage.
-3. The forward/backward function (`megatron.training.training.get_forward_backward_func`,
+3. Mixed precision (`GPTModelBuilder.build_distributed_models`, whose
+   `mixed_precision_wrapper` defaults to megatron-core's `Float16Module`, applied with
+   `--bf16`): a folded stage is wrapped in
+   `megatron_patches.folded_float16.FoldedFloat16Module`, which converts at the folded
+   model's ends (both on stage 0) instead of on the first and last pipeline stages; a
+   wrapper the caller chose itself is kept.
+4. The forward/backward function (`megatron.training.training.get_forward_backward_func`,
    imported by name and called by `train()` and `evaluate()`): with `--dhelix` it returns
    the DHelix schedule built for the model `setup_model_and_optimizer` returned
    (`dhelix.runtime.setup.setup_dhelix`); Megatron's no_sync / grad-sync / param-sync /
@@ -34,6 +40,7 @@ helpers are used instead of compiling them
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 
 from dhelix.arguments import add_dhelix_runtime_args
@@ -180,6 +187,25 @@ def _hook_model_builder(gpt_models) -> None:
         return build_folded_stage(self._model_config, pg_collection, args.seed)
 
     gpt_models.GPTModelBuilder.build_model = build_model
+
+    original_distributed = gpt_models.GPTModelBuilder.build_distributed_models
+    signature = inspect.signature(original_distributed)
+
+    @functools.wraps(original_distributed)
+    def build_distributed_models(self, *args, **kwargs):
+        if not _folded(_megatron_args()):
+            return original_distributed(self, *args, **kwargs)
+        from megatron.core.transformer.module import Float16Module
+
+        from megatron_patches.folded_float16 import float16_module
+
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["mixed_precision_wrapper"] is Float16Module:
+            bound.arguments["mixed_precision_wrapper"] = float16_module
+        return original_distributed(*bound.args, **bound.kwargs)
+
+    gpt_models.GPTModelBuilder.build_distributed_models = build_distributed_models
 
 
 def _dhelix_view(args):

@@ -23,10 +23,12 @@ TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4
 class _Recorder:
     """Per training step of the current run: the full parameters before the step, the full
     gradients after the schedule (both layout-independent, `dhelix.parity`), and the global
-    batch's mean token loss (only rank 0 keeps them); and the layer pairs this rank
-    co-executed (`LayerRunner.run_paired`: the DHelix SI path really ran)."""
+    batch's mean token loss (only rank 0 keeps them); per evaluation call (forward only) its
+    mean token loss (rank 0); and the layer pairs this rank co-executed
+    (`LayerRunner.run_paired`: the DHelix SI path really ran)."""
 
     steps: list = []
+    evals: list = []
     pairs: int = 0
     attention: set = set()  # class names of the model's core-attention modules
 
@@ -60,7 +62,11 @@ def _recording(get_forward_backward_func):
 
         def recorded(**step):
             if step.get("forward_only"):
-                return forward_backward(**step)
+                losses = forward_backward(**step)
+                loss = _global_loss(losses)
+                if dist.get_rank() == 0:
+                    _Recorder.evals.append(loss)
+                return losses
             _Recorder.attention |= {type(m.core_attention).__name__ for chunk in step["model"]
                                     for m in chunk.modules() if hasattr(m, "core_attention")}
             params = gather_full_tensors(step["model"], "param")
@@ -103,7 +109,8 @@ def pretrain_in_process(argv: list[str]) -> list:
     from dhelix.megatron_lm import run_script
 
     install_recorder()
-    _Recorder.steps, _Recorder.pairs, _Recorder.attention = [], 0, set()
+    _Recorder.steps, _Recorder.evals, _Recorder.pairs = [], [], 0
+    _Recorder.attention = set()
     try:
         run_script(SCRIPT, list(argv))
     finally:
@@ -128,34 +135,43 @@ def compare_runs(stock: list, dhelix: list) -> dict:
 
 def parity_body(ctx, cases: dict, train_iters: int) -> dict:
     """For each case NAME -> extra Megatron arguments: train stock Megatron, then the same
-    command line with --dhelix, and compare them step by step (rank 0 returns the report,
-    with the core-attention classes each run's model used)."""
+    command line with --dhelix, and compare them step by step, and their evaluation losses
+    call by call (rank 0 returns the report, with the core-attention classes each run's
+    model used)."""
     report = {}
     for name, extra in cases.items():
         argv = TINY + ["--train-iters", str(train_iters)] + list(extra)
         stock = pretrain_in_process(argv)
         stock_attention = sorted(_Recorder.attention)
+        stock_evals = list(_Recorder.evals)
         dhelix = pretrain_in_process(argv + ["--dhelix"])
         pairs = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, _Recorder.pairs)
         if ctx.rank == 0:
             report[name] = {**compare_runs(stock, dhelix), "pairs": pairs,
-                            "attention": (stock_attention, sorted(_Recorder.attention))}
+                            "attention": (stock_attention, sorted(_Recorder.attention)),
+                            "evals": (len(stock_evals), len(_Recorder.evals)),
+                            "eval_diff": max((abs(a - b) for a, b in
+                                              zip(stock_evals, _Recorder.evals)), default=0.0)}
     return report
 
 
-def launch_parity(cases: dict, train_iters: int) -> dict:
-    """`parity_body` on 4 gloo ranks (hard timeout); prints every case's rows (pytest -s)."""
+def launch_parity(cases: dict, train_iters: int, timeout_s: int = 600,
+                  env: dict | None = None) -> dict:
+    """`parity_body` on 4 ranks (hard timeout; `env` defaults to one OpenMP thread per CPU
+    rank); prints every case's rows and evaluation differences (pytest -s)."""
     from dhelix.harness import run_on_ranks
 
-    result = run_on_ranks(parity_body, 4, cases, train_iters, timeout_s=600,
-                          env={"OMP_NUM_THREADS": "1"})[0]
+    env = {"OMP_NUM_THREADS": "1"} if env is None else env
+    result = run_on_ranks(parity_body, 4, cases, train_iters, timeout_s=timeout_s, env=env)[0]
     for name, case in result.items():
         for i, row in enumerate(case["rows"]):
             print(f"{name} step {i + 1}: loss {row['loss']:.6f} diff {row['loss_diff']:.1e}, "
                   f"grad diff {row['grad_diff']:.1e} ({row['grad_key']}), param diff before "
                   f"the step {row['param_diff']:.1e} ({row['param_key']}); co-executed layer "
                   f"pairs per rank {case['pairs']}")
+        print(f"{name}: evaluation calls {case['evals']}, max |eval loss diff| "
+              f"{case['eval_diff']:.1e}")
     return result
 
 

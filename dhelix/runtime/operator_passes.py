@@ -116,30 +116,31 @@ class OperatorPasses:
         return None. Otherwise return the loss (back-propagated at the backward)."""
         if not self.loss_at_forward:
             return loss
-        torch.autograd.backward(loss)
+        with self.parts.tied_loss_tail():
+            torch.autograd.backward(loss)
         state.hidden_grad, state.hidden = state.hidden.grad, None
         return None
 
-    @staticmethod
-    def _backward_head(work: BackwardWork) -> torch.Tensor:
+    def _backward_head(self, work: BackwardWork) -> torch.Tensor:
         """The gradient of the chunk's last layer output (from the loss on the loss hop)."""
         state = work.state
         if work.loss is not None:
-            torch.autograd.backward(work.loss)
+            with self.parts.tied_loss_tail():
+                torch.autograd.backward(work.loss)
             state.hidden_grad, state.hidden = state.hidden.grad, None
         if state.hidden_grad is None:
             return work.grad
         grad, state.hidden_grad = state.hidden_grad, None
         return grad
 
-    @staticmethod
-    def _backward_tail(work: BackwardWork, grad: torch.Tensor):
+    def _backward_tail(self, work: BackwardWork, grad: torch.Tensor):
         """The pass's input gradient, or None after back-propagating into the embedding."""
         state = work.state
         state.executions = []
         if state.embedding is None:
             return grad
-        torch.autograd.backward(state.embedding, grad_tensors=grad)
+        with self.parts.tied_embedding():
+            torch.autograd.backward(state.embedding, grad_tensors=grad)
         state.embedding = None
         return None
 
@@ -147,6 +148,11 @@ class OperatorPasses:
         grad = self._backward_head(work)
         grad = self.layers_backward(work.state.executions, grad)
         return self._backward_tail(work, grad)
+
+    def finish_step(self) -> None:
+        """After the step's last pass, before the gradients are finalised: the tied
+        embedding's output-layer gradients join main_grad (`GPTParts.finish_step`)."""
+        self.parts.finish_step()
 
     # ---------------------------------------------------------------- SI block
     def si(self, forward: ForwardWork, backward: BackwardWork):

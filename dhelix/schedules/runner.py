@@ -51,20 +51,17 @@ from dhelix.schedules.executor import AutogradPasses, StageExecutor
 from dhelix.schedules.sequential import build_forward_only_schedule
 from megatron_patches.folded_model import FoldedGPTModel
 from megatron_patches.folded_stage_io import folded_data_view, relay_losses_to_last_stage
+from megatron_patches.gpt_parts import unwrap_gpt
 
 
 class ScheduleMismatch(ValueError):
     """The schedule does not fit the model, the pipeline or the batch."""
 
 
-def _unwrap(model):
-    return getattr(model, "module", model)
-
-
 def chunk_forward(model) -> Callable:
-    """forward_chunk(batch, chunk, input) for the executor, for a (DDP-wrapped) folded or
-    stock GPT model chunk."""
-    module = _unwrap(model)
+    """forward_chunk(batch, chunk, input) for the executor, for a (DDP- and
+    Float16Module-wrapped) folded or stock GPT model chunk."""
+    module = unwrap_gpt(model)
     if isinstance(module, FoldedGPTModel):
         def run(batch, chunk, inp):
             return model(batch["tokens"], batch["position_ids"], None, decoder_input=inp,
@@ -202,7 +199,7 @@ class ScheduleEngine:
         (chunk,) = chunks
         if isinstance(data_iterator, list):
             data_iterator = data_iterator[0]
-        module = _unwrap(chunk)
+        module = unwrap_gpt(chunk)
         config = get_model_config(chunk)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         schedule = self.schedule(pp, num_microbatches, forward_only)
@@ -230,6 +227,9 @@ class ScheduleEngine:
             losses = executor.run()
         self.last_step = ExecutedStep(schedule.kind, schedule.path.name, stage, forward_only,
                                       executor.actions_run, type(passes).__name__)
+        finish_step = getattr(passes, "finish_step", None)
+        if not forward_only and finish_step is not None:
+            finish_step()  # e.g. the tied embedding's held gradients join main_grad
         if not forward_only and config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
                 [chunk], loss.total_tokens if config.calculate_per_token_loss else None)
