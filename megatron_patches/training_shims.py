@@ -77,7 +77,8 @@ def _patch_device_queries() -> None:
 
     arguments.get_device_arch_version = _cpu_arch_version
     common_utils.get_device_arch_version = _cpu_arch_version
-    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8,
+                                                                  device="cpu")
     torch.cuda.set_rng_state = lambda new_state, device="cuda": None
 
 

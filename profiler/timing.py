@@ -34,6 +34,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
+from dhelix.devices import compute_device
 from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_block
 
@@ -81,7 +82,7 @@ class Timer:
 
     def slowest(self, local_ms: list[float]) -> list[float]:
         """Element-wise maximum over the ranks of `sync_group`."""
-        values = torch.tensor(local_ms, dtype=torch.float64)
+        values = torch.tensor(local_ms, dtype=torch.float64, device=compute_device())
         if dist.is_initialized() and values.numel():
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.sync_group)
         return values.tolist()

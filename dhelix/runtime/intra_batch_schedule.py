@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dhelix.devices import model_device
 from dhelix.runtime.pp1_schedule import DHelixSchedule
 from dhelix.runtime.strand_executor import Block, run_blocks
 
@@ -70,7 +71,7 @@ class IntraBatchSplitSchedule(DHelixSchedule):
     def _run_microbatches(self, forward_step_func, data_iterator, model, config, ctx):
         """F(i) then B(i) for each micro-batch, as Megatron's no-pipelining schedule."""
         no_sync = config.no_sync_func or contextlib.nullcontext
-        total_tokens = torch.zeros([], dtype=torch.int)
+        total_tokens = torch.zeros([], dtype=torch.int, device=model_device(model))
         for index in range(ctx.num_microbatches):
             last = index == ctx.num_microbatches - 1
             with contextlib.nullcontext() if last else no_sync():

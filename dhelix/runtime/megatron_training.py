@@ -34,6 +34,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
+from dhelix.devices import compute_device
 from dhelix.runtime.folded_passes import FoldedOperatorPasses
 from dhelix.runtime.forward_step_capture import capture_forward_step
 from dhelix.schedules.runner import forward_backward_schedule
@@ -73,7 +74,7 @@ def relay_losses_to_last_stage(losses: list) -> list:
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
     if parallel_state.get_pipeline_model_parallel_rank() != dist.get_world_size(group) - 1:
         return []
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = compute_device()
     return [{k: v.to(device) for k, v in d.items()} for d in payload[0]]
 
 
@@ -140,7 +141,7 @@ class FoldedMegatronSchedule:
         group = parallel_state.get_pipeline_model_parallel_group()
         shape = self._pipeline_shape(config, seq_length, micro_batch_size)
         dtype = config.pipeline_dtype or config.params_dtype
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = compute_device()
         losses = []
         with torch.no_grad():
             for _ in range(num_microbatches):

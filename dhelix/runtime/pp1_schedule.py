@@ -29,6 +29,7 @@ import torch
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
+from dhelix.devices import model_device
 from dhelix.runtime.forward_step_capture import CapturedStep, capture_forward_step
 from dhelix.runtime.layer_runner import LayerRunner
 from megatron_patches.gpt_parts import GPTParts
@@ -110,7 +111,7 @@ class DHelixSchedule:
         the last backward); every backward but the last under `no_sync`. Returns the token
         count."""
         no_sync = config.no_sync_func or contextlib.nullcontext
-        total_tokens = torch.zeros([], dtype=torch.int)
+        total_tokens = torch.zeros([], dtype=torch.int, device=model_device(model))
         with no_sync():
             alpha = self._begin_microbatch(forward_step_func, data_iterator, model)
             total_tokens += self._forward_alone(alpha, model, config, ctx)
