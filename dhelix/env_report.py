@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import platform
 from importlib import metadata
 
 OPTIONAL_GPU_PACKAGES = {
     "transformer_engine": "transformer-engine",
     "flash_attn": "flash-attn",
-    "apex": "apex",
+    "apex.normalization": "apex",  # NVIDIA Apex (PyPI's `apex` is an unrelated package)
 }
 
 
@@ -20,17 +19,11 @@ def _version(dist_name: str) -> str | None:
         return None
 
 
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except Exception:  # ImportError, or a CUDA library failing to load
-        return False
-    return True
-
-
 def collect() -> dict:
     """A dict describing the environment; every value is a plain string/bool/int."""
     import torch
+
+    from megatron_patches.compat import importable
 
     info = {
         "python": platform.python_version(),
@@ -50,7 +43,7 @@ def collect() -> dict:
         info["backend"] = "nccl"
         info["cuda"] = torch.version.cuda
     for module, dist_name in OPTIONAL_GPU_PACKAGES.items():
-        found = _importable(module)
+        found = importable(module)
         info[dist_name] = (_version(dist_name) or "found") if found else "missing"
     return info
 

@@ -77,8 +77,9 @@ def gather_full_tensors(model_chunks, source: str = "param") -> dict[str, torch.
     for shards in everyone:
         for key, shape, offset, prepend, tensor in shards:
             if key not in full:
-                full[key] = torch.zeros(shape, dtype=tensor.dtype)
-                covered[key] = torch.zeros(shape, dtype=torch.bool)
+                # host copies: compared across runs and devices, never next to the model
+                full[key] = torch.zeros(shape, dtype=tensor.dtype, device="cpu")
+                covered[key] = torch.zeros(shape, dtype=torch.bool, device="cpu")
             local = tensor.reshape((1,) * prepend + tuple(tensor.shape))
             index = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
             full[key][index] = local

@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from dhelix.data import build_train_dataset, microbatch_iterator
+from dhelix.devices import compute_device
 from dhelix.folding import uses_folded_model
 from dhelix.memory import peak_memory_bytes
 from dhelix.parallel import Job
@@ -217,7 +218,7 @@ def reduce_loss_to_all_ranks(losses_reduced: list, loss_on_first_stage: bool = F
     over micro-batches, then over data-parallel ranks, and one rank (that stage, TP rank 0,
     DP rank 0) contributes the result to a world all-reduce.
     """
-    value = torch.zeros(1, dtype=torch.float64)
+    value = torch.zeros(1, dtype=torch.float64, device=compute_device())
     has_loss = (parallel_state.is_pipeline_first_stage() if loss_on_first_stage
                 else parallel_state.is_pipeline_last_stage())
     if has_loss:

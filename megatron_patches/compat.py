@@ -8,6 +8,7 @@ elsewhere asks this module instead of comparing version strings itself.
 
 from __future__ import annotations
 
+import importlib
 from importlib import metadata
 
 from packaging.version import Version
@@ -36,13 +37,33 @@ def check_supported_megatron() -> Version:
     return version
 
 
-def has_transformer_engine() -> bool:
-    """True when Transformer Engine's PyTorch extension imports."""
+def importable(module: str) -> bool:
+    """True when `module` imports (False on ImportError, or on a broken CUDA install raising
+    at import)."""
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or a broken CUDA install raising at import
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any failure means megatron-core cannot use it either
         return False
     return True
+
+
+def has_transformer_engine() -> bool:
+    """True when Transformer Engine's PyTorch extension imports."""
+    return importable("transformer_engine.pytorch")
+
+
+def has_apex_fused_layer_norm() -> bool:
+    """True when NVIDIA Apex's fused layer norm imports (what megatron-core's
+    `FusedLayerNorm` needs; PyPI's unrelated `apex` package does not provide it)."""
+    return importable("apex.normalization.fused_layer_norm")
+
+
+# The CUDA extensions megatron-core imports by these names (built by NVIDIA Apex with
+# --cpp_ext --cuda_ext): the fused weight-gradient accumulation of its linear layers, and
+# the fused softmax kernels of its local (unfused) attention.
+FUSED_WGRAD_EXTENSION = "fused_weight_gradient_mlp_cuda"
+FUSED_SOFTMAX_EXTENSIONS = ("scaled_upper_triang_masked_softmax_cuda",
+                            "scaled_masked_softmax_cuda", "scaled_softmax_cuda")
 
 
 def optimizer_state_loadable(optimizer) -> bool:

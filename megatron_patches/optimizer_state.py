@@ -21,7 +21,8 @@ def _with_step_state(init_state_fn):
             for param in group["params"]:
                 state = opt.state[param]
                 if state and "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    # on the CPU, as torch's Adam keeps a step that is not `capturable`
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
 
     init_state_with_step.__dhelix_wrapped__ = init_state_fn
     return init_state_with_step
@@ -70,4 +71,5 @@ def restore_adam_steps_after_load(optimizer) -> None:
             for param in group["params"]:
                 state = torch_opt.state.get(param)
                 if state and "step" in state:
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                                 device="cpu")

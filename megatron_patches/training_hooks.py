@@ -7,8 +7,10 @@
    Right after parsing, before Megatron validates anything and before any process group
    exists, `--dhelix` runs are checked (`dhelix.megatron_lm_checks`): an argument the DHelix
    runtime cannot honour stops the run with one `error: ...` line naming it (exit code 2).
-   On a CPU-only machine the arguments get the CPU adaptations of
-   `megatron_patches.training_shims.cpu_arguments` (gloo, no CUDA kernel fusions).
+   Every run (with or without `--dhelix`) first gets the adaptations its machine needs
+   (`megatron_patches.machine_arguments`: gloo and no CUDA kernel fusions on CPU; on a GPU
+   without Transformer Engine or Apex, the local spec and no fusions their kernels provide;
+   gloo when ranks share a GPU), named in one line on rank 0.
 2. The folded model (`--dhelix` with PP > 1, see `megatron_patches.folded_model`):
    Megatron's parallel state gets the folded embedding group (first stage only), and
    `GPTModelBuilder.build_model` (the model-config path of `pretrain`, Megatron-LM 0.19's
@@ -44,7 +46,7 @@ import inspect
 import sys
 
 from dhelix.arguments import add_dhelix_runtime_args
-from megatron_patches.training_shims import cpu_arguments
+from megatron_patches.machine_arguments import adapt_to_this_machine
 
 
 def _with_dhelix_args(extra_args_provider):
@@ -63,7 +65,7 @@ def _hook_parse_args(arguments) -> None:
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         args = original(_with_dhelix_args(extra_args_provider), ignore_unknown_args)
-        cpu_arguments(args)
+        adapt_to_this_machine(args)
         _check_attention(args)
         if args.dhelix:
             from dhelix.launch import ERROR_EXIT_CODE, report_error

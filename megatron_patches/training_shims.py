@@ -12,16 +12,10 @@ at most once per process. Each shim names the call it replaces and why:
    skips `mpu.initialize_model_parallel` and `_set_random_seed` skips
    `model_parallel_cuda_manual_seed` (no TP/PP groups, no RNG tracker): it returns 1, the
    CPU standing in for device 0 as `torch.cuda.current_device()` already does.
-3. Arguments (`cpu_arguments`, called by the argument hook of
-   `megatron_patches.training_hooks` right after parsing): `--distributed-backend` defaults
-   to nccl, which needs GPUs: it becomes gloo. The fused-kernel options Megatron turns on by
-   default need CUDA kernels (Apex, Transformer Engine or torch's CUDA fusions) and are
-   turned off, which selects Megatron's unfused torch code for the same math:
-   `--no-persist-layer-norm` set (torch's norm asserts persistence is off), `gradient_accumulation_fusion`
-   (`fused_weight_gradient_mlp_cuda`), `bias_gelu_fusion`, `bias_swiglu_fusion`,
-   `bias_dropout_fusion`, `masked_softmax_fusion`, `apply_rope_fusion`. Without Transformer
-   Engine, Megatron's default `--transformer-impl transformer_engine` becomes `local`
-   (megatron-core's torch-native layer spec).
+3. Arguments: gloo instead of nccl, the CUDA kernel fusions off and the local layer spec
+   without Transformer Engine are decided, with the adaptations a GPU without Transformer
+   Engine or Apex needs, by `megatron_patches.machine_arguments` (called by the argument
+   hook of `megatron_patches.training_hooks` right after parsing).
 4. Memory reporting (`training_log`'s `torch.cuda.memory_stats`, `memory_reserved`,
    `max_memory_reserved`, `mem_get_info`) reads zeros: there is no device memory.
 5. The local layer spec's norm (`WrappedTorchNorm`, chosen by
@@ -48,30 +42,6 @@ import threading
 import torch
 
 _LOCK = threading.Lock()
-
-
-_CUDA_FUSIONS = ("gradient_accumulation_fusion", "bias_gelu_fusion",
-                 "bias_swiglu_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
-                 "apply_rope_fusion")
-
-
-def cpu_arguments(args) -> None:
-    """On a CPU-only machine, adapt Megatron's parsed arguments in place (item 3 above):
-    gloo instead of nccl, CUDA kernel fusions off, the local layer spec without Transformer
-    Engine. Does nothing when CUDA is available."""
-    if torch.cuda.is_available():
-        return
-    if args.distributed_backend == "nccl":
-        args.distributed_backend = "gloo"
-    args.no_persist_layer_norm = True
-    if args.transformer_impl == "transformer_engine":
-        from megatron_patches.compat import has_transformer_engine
-
-        if not has_transformer_engine():
-            args.transformer_impl = "local"
-    for name in _CUDA_FUSIONS:
-        if getattr(args, name, False):
-            setattr(args, name, False)
 
 
 def _allow_no_cuda(initialize_megatron):
@@ -107,7 +77,8 @@ def _patch_device_queries() -> None:
 
     arguments.get_device_arch_version = _cpu_arch_version
     common_utils.get_device_arch_version = _cpu_arch_version
-    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8,
+                                                                  device="cpu")
     torch.cuda.set_rng_state = lambda new_state, device="cuda": None
 
 

@@ -14,6 +14,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from dhelix.devices import compute_device
+
 
 def build_layer_under_test(args: argparse.Namespace, job):
     """(LayerUnderTest, Timer) for this rank; needs the default process group, whose
@@ -41,12 +43,14 @@ def build_layer_under_test(args: argparse.Namespace, job):
                                   channels=comm_channels([bound]))
     tp = args.tensor_model_parallel_size
     tokens = args.seq_length // tp if args.sequence_parallel else args.seq_length
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = compute_device()
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     shape = (tokens, args.micro_batch_size, args.hidden_size)
-    x = torch.randn(shape, generator=generator).to(device=device, dtype=config.params_dtype)
-    dy = torch.randn(shape, generator=generator).to(device=device, dtype=config.params_dtype)
+    # drawn on the host (the same inputs on every device), then moved to the layer's device
+    x = torch.randn(shape, generator=generator, device="cpu").to(device=device,
+                                                                 dtype=config.params_dtype)
+    dy = torch.randn(shape, generator=generator, device="cpu").to(device=device,
+                                                                  dtype=config.params_dtype)
     rotary = gpt.rotary_pos_emb(args.seq_length) if rope else None
     if isinstance(rotary, torch.Tensor):
         rotary = rotary.detach()

@@ -31,12 +31,15 @@ def _layer_activation_bytes(trainer) -> int:
     """Bytes one layer's forward program holds for its backward (its saved activations)."""
     import torch
 
+    from dhelix.devices import model_device
+
     runner = trainer.dhelix.runner
     execution = runner.new_execution(0)
     args = trainer.args
     tp = args.tensor_model_parallel_size
     seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
-    x = torch.zeros(seq, args.micro_batch_size, args.hidden_size)
+    x = torch.zeros(seq, args.micro_batch_size, args.hidden_size,
+                    device=model_device(trainer.dhelix.parts.model))
     rope = None
     if args.position_embedding_type == "rope":
         rope = trainer.dhelix.parts.model.rotary_pos_emb(args.seq_length)

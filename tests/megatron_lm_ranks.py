@@ -24,13 +24,15 @@ class _Recorder:
     """Per training step of the current run: the full parameters before the step, the full
     gradients after the schedule (both layout-independent, `dhelix.parity`), and the global
     batch's mean token loss (only rank 0 keeps them); per evaluation call (forward only) its
-    mean token loss (rank 0); and the layer pairs this rank co-executed
-    (`LayerRunner.run_paired`: the DHelix SI path really ran)."""
+    mean token loss (rank 0); the layer pairs this rank co-executed
+    (`LayerRunner.run_paired`: the DHelix SI path really ran); and the device types this
+    rank's model was on."""
 
     steps: list = []
     evals: list = []
     pairs: int = 0
     attention: set = set()  # class names of the model's core-attention modules
+    devices: set = set()
 
 
 def _counting_pairs(run_paired):
@@ -55,6 +57,7 @@ def _global_loss(losses: list) -> float:
 
 
 def _recording(get_forward_backward_func):
+    from dhelix.devices import model_device
     from dhelix.parity import gather_full_tensors
 
     def get(*args, **kwargs):
@@ -69,6 +72,7 @@ def _recording(get_forward_backward_func):
                 return losses
             _Recorder.attention |= {type(m.core_attention).__name__ for chunk in step["model"]
                                     for m in chunk.modules() if hasattr(m, "core_attention")}
+            _Recorder.devices.add(model_device(step["model"]).type)
             params = gather_full_tensors(step["model"], "param")
             losses = forward_backward(**step)
             grads = gather_full_tensors(step["model"], "grad")
@@ -110,7 +114,7 @@ def pretrain_in_process(argv: list[str]) -> list:
 
     install_recorder()
     _Recorder.steps, _Recorder.evals, _Recorder.pairs = [], [], 0
-    _Recorder.attention = set()
+    _Recorder.attention, _Recorder.devices = set(), set()
     try:
         run_script(SCRIPT, list(argv))
     finally:
@@ -133,22 +137,42 @@ def compare_runs(stock: list, dhelix: list) -> dict:
     return {"steps": (len(stock), len(dhelix)), "rows": rows}
 
 
+def parity_env(device: str) -> dict:
+    """The ranks' environment for `parity_body` on `device` ("cpu": CUDA hidden, so a GPU
+    machine runs the CPU path too; "cuda": the ranks share the visible GPUs, and Megatron's
+    `validate_args` demands CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 before Blackwell)."""
+    if device == "cpu":
+        return {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return {"OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
 def parity_body(ctx, cases: dict, train_iters: int) -> dict:
     """For each case NAME -> extra Megatron arguments: train stock Megatron, then the same
     command line with --dhelix, and compare them step by step, and their evaluation losses
     call by call (rank 0 returns the report, with the core-attention classes each run's
-    model used)."""
+    model used). Run with `parity_env(DEVICE)`. Per case the report also holds "devices",
+    the device types every rank's model was on in both runs, and "host_tensors", every
+    device-less tensor factory call the --dhelix run made from dhelix/ or megatron_patches/
+    on any rank (`tests.device_watch`: on a GPU each would be a CPU tensor next to the
+    model)."""
+    from tests.device_watch import HostTensorWatch
+
     report = {}
     for name, extra in cases.items():
         argv = TINY + ["--train-iters", str(train_iters)] + list(extra)
         stock = pretrain_in_process(argv)
         stock_attention = sorted(_Recorder.attention)
         stock_evals = list(_Recorder.evals)
-        dhelix = pretrain_in_process(argv + ["--dhelix"])
-        pairs = [None] * dist.get_world_size()
-        dist.all_gather_object(pairs, _Recorder.pairs)
+        devices = set(_Recorder.devices)
+        with HostTensorWatch() as watch:
+            dhelix = pretrain_in_process(argv + ["--dhelix"])
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, (_Recorder.pairs, devices | _Recorder.devices,
+                                       sorted(watch.found)))
         if ctx.rank == 0:
-            report[name] = {**compare_runs(stock, dhelix), "pairs": pairs,
+            report[name] = {**compare_runs(stock, dhelix), "pairs": [f[0] for f in found],
+                            "devices": set().union(*(f[1] for f in found)),
+                            "host_tensors": sorted(set().union(*(f[2] for f in found))),
                             "attention": (stock_attention, sorted(_Recorder.attention)),
                             "evals": (len(stock_evals), len(_Recorder.evals)),
                             "eval_diff": max((abs(a - b) for a, b in

@@ -33,18 +33,23 @@ and main params), in the same launch:
   losses by O(ulp x gradient): measured 0 at step 2 and 2.0e-5 at step 3.
   `BF16_CLIPPED_LOSS` = 1e-4 bounds the first three steps with 5x margin; gradients after
   step 1 follow from the flipped parameters and are not compared. Without clipping the
-  same run is exact (the case above), which shows the norm is the only difference."""
+  same run is exact (the case above), which shows the norm is the only difference.
+
+The same launch watches the --dhelix runs for tensors the plugin creates without a device
+(`tests.device_watch`): each would be a CPU tensor next to a CUDA model. On CUDA (marked
+`gpu`, skipped without it) the 4 ranks share the visible GPU(s) over gloo (the plugin's
+machine adaptations) for TP2 + SP, TP2 x PP2 and the bf16 cases."""
 
 import pytest
 import torch
 
-from tests.megatron_lm_ranks import assert_parity, launch_parity
+from tests.megatron_lm_ranks import assert_parity, launch_parity, parity_env
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
-FP32_LOSS = 2e-6    # |loss diff|, losses ~7
-FP32_GRAD = 1e-7    # max |grad diff| (accumulation order differs)
-FP32_PARAM = 1e-6   # Adam lr 3e-4 after a few steps
+# device -> (|loss diff| (losses ~7), max |grad diff| (accumulation order differs), max
+# |param diff| (Adam lr 3e-4 after a few steps)); on CUDA, kernels may reorder reductions
+TOLERANCES = {"cpu": (2e-6, 1e-7, 1e-6), "cuda": (1e-5, 1e-5, 1e-5)}
 STEPS = 3
 
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -71,38 +76,46 @@ BF16_EXACT_CASES = {
 BF16_CLIPPED_CASES = {"bf16_tp2_pp2": TP2 + PP2 + BF16}
 BF16_CLIPPED_LOSS = 1e-4  # |loss diff| after step 1, TP2 x PP2 with clipping (docstring)
 CASES = {**FP32_CASES, **BF16_EXACT_CASES, **BF16_CLIPPED_CASES}
+CUDA_CASES = ("tp2_sp_dp2", "tp2_pp2", "bf16_tp2", "bf16_tp2_pp2_noclip", "bf16_tp2_pp2")
 
 
 @pytest.fixture(scope="module")
 def report():
-    return launch_parity(CASES, STEPS, timeout_s=900)
+    return launch_parity(CASES, STEPS, timeout_s=900, env=parity_env("cpu"))
 
 
-def _ran_both(case, name) -> None:
+@pytest.fixture(scope="module")
+def cuda_report():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return launch_parity({n: CASES[n] for n in CUDA_CASES}, STEPS, timeout_s=900,
+                         env=parity_env("cuda"))
+
+
+def _ran_both(case, name, device: str) -> None:
     core = ["SDPAttention"] if "sdpa" in name else ["DotProductAttention"]
     assert case["attention"] == (core, core)
+    assert case["devices"] == {device}  # every rank's model, in both runs
     assert case["steps"] == (STEPS, STEPS)
     # Same seed, same weights: identical initial parameters, not merely close.
     assert case["rows"][0]["param_diff"] == 0.0, case["rows"][0]["param_key"]
     assert min(case["pairs"]) > 0  # the DHelix SI path really ran on every rank
 
 
-@pytest.mark.parametrize("name", sorted(FP32_CASES))
-def test_dhelix_matches_megatron_in_pretrain(report, name):
-    case = report[name]
-    _ran_both(case, name)
-    assert_parity(case, STEPS, FP32_LOSS, FP32_GRAD, FP32_PARAM)
+def _fp32(case, name, device: str) -> None:
+    _ran_both(case, name, device)
+    assert_parity(case, STEPS, *TOLERANCES[device])
 
 
-def _bf16_exact(case, name) -> None:
-    _ran_both(case, name)
+def _bf16_exact(case, name, device: str) -> None:
+    _ran_both(case, name, device)
     assert case["evals"][0] == case["evals"][1]
     assert case["eval_diff"] == 0.0
     assert_parity(case, STEPS, 0.0, 0.0, 0.0)
 
 
-def _bf16_clipped(case, name) -> None:
-    _ran_both(case, name)
+def _bf16_clipped(case, name, device: str) -> None:
+    _ran_both(case, name, device)
     first, *later = case["rows"]
     assert first["loss_diff"] == 0.0
     assert first["grad_diff"] == 0.0, first["grad_key"]
@@ -110,9 +123,23 @@ def _bf16_clipped(case, name) -> None:
         assert row["loss_diff"] <= BF16_CLIPPED_LOSS
 
 
+def _check(case, name, device: str) -> None:
+    if name in BF16_EXACT_CASES:
+        _bf16_exact(case, name, device)
+    elif name in BF16_CLIPPED_CASES:
+        _bf16_clipped(case, name, device)
+    else:
+        _fp32(case, name, device)
+
+
+@pytest.mark.parametrize("name", sorted(FP32_CASES))
+def test_dhelix_matches_megatron_in_pretrain(report, name):
+    _check(report[name], name, "cpu")
+
+
 @pytest.mark.parametrize("name", sorted(BF16_EXACT_CASES))
 def test_dhelix_bf16_is_bit_identical_to_megatron(report, name):
-    _bf16_exact(report[name], name)
+    _check(report[name], name, "cpu")
 
 
 def test_dhelix_bf16_pipelined_evaluation_ran(report):
@@ -120,16 +147,19 @@ def test_dhelix_bf16_pipelined_evaluation_ran(report):
 
 
 def test_dhelix_bf16_pipelined_with_clipping_within_bound(report):
-    _bf16_clipped(report["bf16_tp2_pp2"], "bf16_tp2_pp2")
+    _check(report["bf16_tp2_pp2"], "bf16_tp2_pp2", "cpu")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dhelix_creates_no_tensor_off_the_model_device(report, name):
+    """No `torch.zeros(...)`-style call without a device from dhelix/ or megatron_patches/
+    in the --dhelix run (PP=1 SI schedule and PP=2 W schedule, fp32 and bf16, every rank)."""
+    assert report[name]["host_tensors"] == []
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 4,
-                    reason="needs 4 GPUs (one per rank: NCCL refuses two ranks on one GPU)")
-def test_dhelix_bf16_matches_megatron_on_cuda():
-    """The bf16 cases above on 4 GPUs (NCCL), with the same bounds."""
-    result = launch_parity({**BF16_EXACT_CASES, **BF16_CLIPPED_CASES}, STEPS, env={})
-    for name in BF16_EXACT_CASES:
-        _bf16_exact(result[name], name)
-    for name in BF16_CLIPPED_CASES:
-        _bf16_clipped(result[name], name)
+@pytest.mark.parametrize("name", CUDA_CASES)
+def test_dhelix_matches_megatron_on_cuda_ranks_sharing_a_gpu(cuda_report, name):
+    """On CUDA the bf16 cases keep their CPU bounds (exact, or the clipped bound): untested
+    on a GPU so far; GPU kernels may not be run-to-run deterministic."""
+    _check(cuda_report[name], name, "cuda")

@@ -43,12 +43,14 @@ class RecordedCollective:
 class _TensorSpec:
     shape: tuple
     dtype: torch.dtype
+    device: torch.device
 
 
 def _spec(value):
     """(value with tensors as _TensorSpec, their bytes)."""
     if isinstance(value, torch.Tensor):
-        return _TensorSpec(tuple(value.shape), value.dtype), value.numel() * value.element_size()
+        return (_TensorSpec(tuple(value.shape), value.dtype, value.device),
+                value.numel() * value.element_size())
     if isinstance(value, (list, tuple)):
         parts = [_spec(v) for v in value]
         return type(value)(p[0] for p in parts), sum(p[1] for p in parts)
@@ -57,7 +59,7 @@ def _spec(value):
 
 def _materialise(value):
     if isinstance(value, _TensorSpec):
-        return torch.zeros(value.shape, dtype=value.dtype)
+        return torch.zeros(value.shape, dtype=value.dtype, device=value.device)
     if isinstance(value, (list, tuple)):
         return type(value)(_materialise(v) for v in value)
     return value

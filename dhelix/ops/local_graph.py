@@ -43,14 +43,15 @@ _ANCHORS: dict = {}
 _ANCHOR_LOCK = threading.Lock()
 
 
-def _anchor() -> torch.Tensor:
-    """A scalar leaf that requires grad; it never receives a gradient (the entry node returns
-    None for it). One per thread, so concurrent executors never share autograd state."""
-    key = threading.get_ident()
+def _anchor(device: torch.device) -> torch.Tensor:
+    """A scalar leaf on `device` that requires grad; it never receives a gradient (the entry
+    node returns None for it). One per thread and device, so concurrent executors never
+    share autograd state."""
+    key = (threading.get_ident(), device)
     with _ANCHOR_LOCK:
         anchor = _ANCHORS.get(key)
         if anchor is None:
-            anchor = _ANCHORS[key] = torch.zeros((), requires_grad=True)
+            anchor = _ANCHORS[key] = torch.zeros((), device=device, requires_grad=True)
     return anchor
 
 
@@ -87,7 +88,8 @@ class LocalGraph:
         the LocalGraph. Parameters used by `fn` must be listed in `params` to get gradients.
         """
         with torch.enable_grad():
-            anchor = _anchor()
+            devices = [t.device for t in grad_inputs.values()] or [torch.device("cpu")]
+            anchor = _anchor(devices[0])
             entered, input_edges = {}, {}
             for key in list(grad_inputs):
                 tensor = _Entry.apply(grad_inputs.pop(key), anchor)

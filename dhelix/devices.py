@@ -1,0 +1,26 @@
+"""Which device a rank's tensors live on: the one rule the runtime, the schedules, the
+trainer, the profiler and the benchmarks follow when they create a tensor next to a model
+(a tensor made without a device lands on the CPU, which a CUDA model's ops then refuse)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_device() -> torch.device:
+    """This rank's compute device: the current CUDA device when CUDA is available (the one
+    Megatron's `initialize_megatron` or `dhelix.parallel.init_process_group_from_env`
+    selected), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def model_device(model) -> torch.device:
+    """The device of `model`'s parameters (a module, or Megatron's list of model chunks);
+    `compute_device()` for a model without parameters."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        for param in chunk.parameters():
+            return param.device
+    return compute_device()
