@@ -73,6 +73,12 @@ def report_error(message: str) -> None:
         time.sleep(RANK0_GRACE_S)
 
 
+def exit_with_error(message: str):
+    """`report_error(message)`, then end this rank with `ERROR_EXIT_CODE` (SystemExit)."""
+    report_error(message)
+    sys.exit(ERROR_EXIT_CODE)
+
+
 def _write_torchelastic_error(text: str) -> None:
     """torchrun's error-file format (what `torch.distributed.elastic`'s `@record` writes)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

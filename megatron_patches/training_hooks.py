@@ -20,15 +20,21 @@
    (`dhelix.runtime.setup.setup_dhelix`); Megatron's no_sync / grad-sync / param-sync /
    finalize hooks reach it through the model config, as they reach Megatron's schedules.
 
-Without `--dhelix` every hook hands the call to Megatron unchanged. One fix applies to every
-run: the wheel's prebuilt dataset helpers are used instead of compiling them
-(`megatron_patches.compat.use_prebuilt_dataset_helpers`).
+Without `--dhelix` these hooks hand the call to Megatron unchanged. What applies to every
+run, with or without `--dhelix`:
+
+4. Checkpoints (`megatron.training.checkpointing.save_checkpoint` / `load_checkpoint`, as
+   `pretrain()` calls them, see `megatron_patches.checkpoint_guard`): a `torch_dist` save
+   writes a checksum manifest before its iteration becomes "latest" and starts no process
+   that could outlive a killed rank; a load verifies the files it reads first and refuses a
+   damaged checkpoint with one `error: ...` line naming the file.
+5. The wheel's prebuilt dataset helpers are used instead of compiling them
+   (`megatron_patches.compat.use_prebuilt_dataset_helpers`).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 
 from dhelix.arguments import add_dhelix_runtime_args
 from megatron_patches.training_shims import cpu_arguments
@@ -52,14 +58,12 @@ def _hook_parse_args(arguments) -> None:
         args = original(_with_dhelix_args(extra_args_provider), ignore_unknown_args)
         cpu_arguments(args)
         if args.dhelix:
-            from dhelix.launch import ERROR_EXIT_CODE, report_error
             from dhelix.megatron_lm_checks import UnsupportedArgument, check_dhelix_args
 
             try:
                 check_dhelix_args(args)
             except UnsupportedArgument as exc:
-                report_error(str(exc))
-                sys.exit(ERROR_EXIT_CODE)
+                _fail(str(exc))
         return args
 
     parse_args.__dhelix_original__ = original  # read by `install_training_hooks`
@@ -85,10 +89,9 @@ def _folded(args) -> bool:
 
 
 def _fail(message: str):
-    from dhelix.launch import ERROR_EXIT_CODE, report_error
+    from dhelix.launch import exit_with_error
 
-    report_error(message)
-    sys.exit(ERROR_EXIT_CODE)
+    exit_with_error(message)
 
 
 def _hook_parallel_state(parallel_state) -> None:
@@ -239,9 +242,11 @@ def install_training_hooks() -> None:
     if hasattr(arguments.parse_args, "__dhelix_original__"):
         return
 
+    from megatron_patches.checkpoint_guard import install_checkpoint_guard
     from megatron_patches.compat import use_prebuilt_dataset_helpers
 
     use_prebuilt_dataset_helpers()
+    install_checkpoint_guard()
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
     _hook_training(training)
