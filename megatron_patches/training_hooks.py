@@ -3,10 +3,14 @@
 
 1. Arguments (`megatron.training.arguments.parse_args`, which `parse_and_validate_args` and
    every pretrain script call): the script's own `extra_args_provider` still runs; the
-   `--dhelix*` arguments (`dhelix.arguments.add_dhelix_runtime_args`) are added after it.
-   Right after parsing, before Megatron validates anything and before any process group
-   exists, `--dhelix` runs are checked (`dhelix.megatron_lm_checks`): an argument the DHelix
-   runtime cannot honour stops the run with one `error: ...` line naming it (exit code 2).
+   `--dhelix*` arguments (`dhelix.arguments.add_dhelix_runtime_args`) are added after it,
+   and a command line argparse rejects ends in one `error: ...` line, not the usage text
+   (`megatron_patches.argument_errors`). Right after parsing, before Megatron validates
+   anything and before any process group exists, the arguments are checked
+   (`dhelix.megatron_lm_checks.check_plugin_args`): an argument the DHelix runtime cannot
+   honour, a `--dhelix-plan`/`--dhelix-profile` file that is missing, corrupt or of another
+   version, or one given without `--dhelix`, stops the run with one `error: ...` line naming
+   it (exit code 2).
    On a CPU-only machine the arguments get the CPU adaptations of
    `megatron_patches.training_shims.cpu_arguments` (gloo, no CUDA kernel fusions).
 2. The folded model (`--dhelix` with PP > 1, see `megatron_patches.folded_model`):
@@ -37,6 +41,7 @@ from __future__ import annotations
 import functools
 
 from dhelix.arguments import add_dhelix_runtime_args
+from megatron_patches.argument_errors import one_line_parser_errors
 from megatron_patches.training_shims import cpu_arguments
 
 
@@ -45,6 +50,7 @@ def _with_dhelix_args(extra_args_provider):
         if extra_args_provider is not None:
             parser = extra_args_provider(parser)
         add_dhelix_runtime_args(parser)
+        one_line_parser_errors(parser)
         return parser
 
     return provider
@@ -57,13 +63,12 @@ def _hook_parse_args(arguments) -> None:
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         args = original(_with_dhelix_args(extra_args_provider), ignore_unknown_args)
         cpu_arguments(args)
-        if args.dhelix:
-            from dhelix.megatron_lm_checks import UnsupportedArgument, check_dhelix_args
+        from dhelix.megatron_lm_checks import UnsupportedArgument, check_plugin_args
 
-            try:
-                check_dhelix_args(args)
-            except UnsupportedArgument as exc:
-                _fail(str(exc))
+        try:
+            check_plugin_args(args)
+        except UnsupportedArgument as exc:
+            _fail(str(exc))
         return args
 
     parse_args.__dhelix_original__ = original  # read by `install_training_hooks`
