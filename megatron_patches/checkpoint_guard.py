@@ -41,6 +41,23 @@ class _Saving:
     active = False
 
 
+class _Checkpoints:
+    """The newest checkpoint directory this process saved or loaded (`last_checkpoint`)."""
+
+    last: Path | None = None
+
+
+def last_checkpoint() -> Path | None:
+    """The `iter_XXXXXXX/` directory the current `pretrain()` of this process last saved
+    (checksummed) or verified before loading, or None."""
+    return _Checkpoints.last
+
+
+def forget_last_checkpoint() -> None:
+    """Start a new `pretrain()` in this process: no checkpoint saved or loaded yet."""
+    _Checkpoints.last = None
+
+
 def _checksummed_save(args, non_persistent_ckpt: bool) -> bool:
     return (bool(args.save) and args.use_dist_ckpt and args.ckpt_format == "torch_dist"
             and not args.async_save and not non_persistent_ckpt)
@@ -93,12 +110,14 @@ def _wrap_save(checkpointing, original):
         finally:
             _Saving.active = False
         iteration, release = call.arguments["iteration"], call.arguments["release"]
-        write_manifest(checkpointing.get_checkpoint_name(
-            margs.save, iteration, release=release, return_base_dir=True))  # ends in a barrier
+        where = Path(checkpointing.get_checkpoint_name(margs.save, iteration, release=release,
+                                                       return_base_dir=True))
+        write_manifest(where)  # ends in a barrier
         if _rank() == 0:
             tracker = checkpointing.get_checkpoint_tracker_filename(margs.save)
             os.replace(tracker + TRACKER_PENDING_SUFFIX, tracker)
         _barrier()
+        _Checkpoints.last = where
         return result
 
     return save_checkpoint
@@ -131,11 +150,13 @@ def load_refusal(args, load_arg: str) -> str | None:
             print(f"warning: --{load_arg.replace('_', '-')} {root}: {where.name} has no "
                   f"{MANIFEST} (not saved through dhelix.megatron_lm); loading it unverified",
                   file=sys.stderr, flush=True)
+        _Checkpoints.last = where
         return None
     need_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune",
                                                                             False))
     damage = find_damage(where, need_optimizer=need_optimizer)
     if damage is None:
+        _Checkpoints.last = where
         return None
     return damage_message(root, iteration, damage, need_optimizer)
 

@@ -32,7 +32,10 @@ run, with or without `--dhelix`:
    writes a checksum manifest before its iteration becomes "latest" and starts no process
    that could outlive a killed rank; a load verifies the files it reads first and refuses a
    damaged checkpoint with one `error: ...` line naming the file.
-5. The wheel's prebuilt dataset helpers are used instead of compiling them
+5. A NaN/inf found by Megatron's `--check-for-nan-in-loss-and-grad` (its rerun state
+   machine, `should_checkpoint_and_exit`) ends the run with one `error: ...` line and no
+   checkpoint (`megatron_patches.nan_stop`).
+6. The wheel's prebuilt dataset helpers are used instead of compiling them
    (`megatron_patches.compat.use_prebuilt_dataset_helpers`).
 """
 
@@ -192,12 +195,15 @@ def _dhelix_view(args):
 
 
 def _hook_training(training) -> None:
+    from megatron_patches.checkpoint_guard import forget_last_checkpoint
+
     setup_model_and_optimizer = training.setup_model_and_optimizer
     get_forward_backward_func = training.get_forward_backward_func
 
     @functools.wraps(setup_model_and_optimizer)
     def setup(*args, **kwargs):
         _Run.forward_backward = None  # a new pretrain() in this process starts afresh
+        forget_last_checkpoint()
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         megatron_args = _megatron_args()
         if megatron_args.dhelix:
@@ -249,9 +255,11 @@ def install_training_hooks() -> None:
 
     from megatron_patches.checkpoint_guard import install_checkpoint_guard
     from megatron_patches.compat import use_prebuilt_dataset_helpers
+    from megatron_patches.nan_stop import install_nan_stop
 
     use_prebuilt_dataset_helpers()
     install_checkpoint_guard()
+    install_nan_stop()
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
     _hook_training(training)

@@ -68,7 +68,8 @@ def _run(argv: list[str]) -> tuple[object, list[str]]:
 def checkpoint_guard_body(ctx, workdir: str, layout: list) -> dict:
     """Save iterations 2 and 4 of a 6-iteration run with `--dhelix` on `layout`; then, for each DAMAGE case, load
     a damaged copy (rank 0 makes it) and record the exit code and rank 0's error lines; also
-    load the intact checkpoint with and without `--dhelix` and a copy without manifests.
+    load the intact checkpoint with and without `--dhelix` and a copy without manifests;
+    last, train with `--lr 1e30` (NaN loss) with `--dhelix`, and stock with `--save`.
     Returns on every rank: {"files": the manifest-listed files, "cases": {name: (code,
     lines)}, "pending": leftover pending tracker files}."""
     work = Path(workdir)
@@ -96,6 +97,10 @@ def checkpoint_guard_body(ctx, workdir: str, layout: list) -> dict:
     cases["intact, stock"] = _run(resume + ["--load", str(good), "--save", str(work / "next"),
                                             "--save-interval", "2"])
     cases["no manifest"] = _run(resume + ["--load", str(unverified), "--dhelix"])
+    nan = TINY + layout + ["--train-iters", "6", "--lr", "1e30"]
+    cases["nan"] = _run(nan + ["--dhelix"])
+    cases["nan, stock, with --save"] = _run(nan + ["--save", str(work / "nan"),
+                                                   "--save-interval", "2"])
     import json
 
     listed = json.loads((good / "iter_0000004" / "dhelix_checksums.json").read_text())
@@ -104,4 +109,6 @@ def checkpoint_guard_body(ctx, workdir: str, layout: list) -> dict:
             "pending": sorted(str(p) for p in work.rglob("*.pending")),
             "next_tracker": (work / "next" / "latest_checkpointed_iteration.txt").read_text()
             if (work / "next" / "latest_checkpointed_iteration.txt").exists() else None,
-            "next_manifest": (work / "next" / "iter_0000006" / "dhelix_checksums.json").is_file()}
+            "next_manifest": (work / "next" / "iter_0000006" / "dhelix_checksums.json").is_file(),
+            "nan_saved": sorted(p.name for p in (work / "nan").iterdir())
+            if (work / "nan").is_dir() else None}

@@ -86,3 +86,26 @@ def test_intact_checkpoints_load_and_saves_get_manifests(guard):
     assert code is None and lines == [
         f"warning: --load {workdir / 'no_manifest'}: iter_0000004 has no "
         "dhelix_checksums.json (not saved through dhelix.megatron_lm); loading it unverified"]
+
+
+NAN_REMEDY = ("lower --lr or check the data, or pass --no-check-for-nan-in-loss-and-grad to "
+              "train on regardless")
+
+
+def test_nan_ends_the_run_with_one_line_and_no_save(guard):
+    workdir, result = guard
+    code, lines = result["cases"]["nan"]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: iteration "), lines
+    assert "Megatron's --check-for-nan-in-loss-and-grad found nan (found NaN in local " \
+           "forward loss calculation, rank 0" in lines[0], lines  # the folded model's loss
+    assert lines[0].endswith("; training stopped before saving it; nothing of it was saved; "
+                             + NAN_REMEDY), lines
+    code, lines = result["cases"]["nan, stock, with --save"]
+    assert code == 2 and len(lines) == 1, lines
+    saved = result["nan_saved"]
+    newest = max(name for name in saved if name.startswith("iter_"))
+    assert newest == "iter_0000002", saved
+    assert f"the last good checkpoint, {workdir / 'nan' / newest}, is untouched" in lines[0]
+    assert lines[0].endswith(NAN_REMEDY)
+    assert "found NaN in local grad norm" in lines[0], lines  # the gradient check
