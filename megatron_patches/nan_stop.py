@@ -34,6 +34,7 @@ def _rejected(machine) -> tuple[str, str] | None:
 
 def _stop_line(machine) -> str:
     import torch.distributed as dist
+    from megatron.training import get_args
 
     from dhelix.divergence import divergence_message
     from megatron_patches.checkpoint_guard import last_checkpoint
@@ -52,7 +53,8 @@ def _stop_line(machine) -> str:
                f"rank {rank}{others})"]
     else:
         bad = ["Megatron's --check-for-nan-in-loss-and-grad rejected a result"]
-    return divergence_message(machine.current_iteration + 1, bad, last_checkpoint())
+    # the iteration as Megatron's log numbers it (its rerun state machine counts one ahead)
+    return divergence_message(get_args().curr_iteration + 1, bad, last_checkpoint())
 
 
 def install_nan_stop() -> None:

@@ -35,13 +35,17 @@ run, with or without `--dhelix`:
 5. A NaN/inf found by Megatron's `--check-for-nan-in-loss-and-grad` (its rerun state
    machine, `should_checkpoint_and_exit`) ends the run with one `error: ...` line and no
    checkpoint (`megatron_patches.nan_stop`).
-6. The wheel's prebuilt dataset helpers are used instead of compiling them
+6. A stalled rank (`megatron.training.pretrain`, see `megatron_patches.stall_roll_call`):
+   when a collective times out after `--distributed-timeout-minutes`, the ranks still
+   running name the one that stopped answering in one `error: ...` line and end the job.
+7. The wheel's prebuilt dataset helpers are used instead of compiling them
    (`megatron_patches.compat.use_prebuilt_dataset_helpers`).
 """
 
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 
 from dhelix.arguments import add_dhelix_runtime_args
 from megatron_patches.argument_errors import one_line_parser_errors
@@ -208,7 +212,7 @@ def _hook_training(training) -> None:
         megatron_args = _megatron_args()
         if megatron_args.dhelix:
             from dhelix.file_formats import FormatError
-            from dhelix.parallel import Job
+            from dhelix.parallel import job_of_megatron_group
             from dhelix.runtime.megatron_training import megatron_forward_backward
             from dhelix.runtime.setup import DHelixSetupError, setup_dhelix
             from megatron_patches.folded_model import FoldedGPTModel
@@ -219,9 +223,12 @@ def _hook_training(training) -> None:
                       "model from the GPTModelConfig given to pretrain() (as Megatron-LM's "
                       "pretrain_gpt.py does); this script built its model another way (a "
                       "model_provider)")
+            # megatron.training created the process group: DHelix's own groups (lanes) get
+            # its --distributed-timeout-minutes too, so a stalled rank is found in them
+            job = job_of_megatron_group(
+                timedelta(minutes=megatron_args.distributed_timeout_minutes))
             try:
-                # Job(): megatron.training created the process group (its own timeout)
-                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model, Job())
+                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model, job)
             except (DHelixSetupError, FormatError) as exc:
                 _fail(str(exc))
             _Run.forward_backward = megatron_forward_backward(dhelix_setup, megatron_args)
@@ -256,10 +263,12 @@ def install_training_hooks() -> None:
     from megatron_patches.checkpoint_guard import install_checkpoint_guard
     from megatron_patches.compat import use_prebuilt_dataset_helpers
     from megatron_patches.nan_stop import install_nan_stop
+    from megatron_patches.stall_roll_call import install_stall_roll_call
 
     use_prebuilt_dataset_helpers()
     install_checkpoint_guard()
     install_nan_stop()
+    install_stall_roll_call()
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
     _hook_training(training)

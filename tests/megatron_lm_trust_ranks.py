@@ -100,7 +100,7 @@ def checkpoint_guard_body(ctx, workdir: str, layout: list) -> dict:
     nan = TINY + layout + ["--train-iters", "6", "--lr", "1e30"]
     cases["nan"] = _run(nan + ["--dhelix"])
     cases["nan, stock, with --save"] = _run(nan + ["--save", str(work / "nan"),
-                                                   "--save-interval", "2"])
+                                                   "--save-interval", "1"])
     import json
 
     listed = json.loads((good / "iter_0000004" / "dhelix_checksums.json").read_text())

@@ -96,7 +96,7 @@ def test_nan_ends_the_run_with_one_line_and_no_save(guard):
     workdir, result = guard
     code, lines = result["cases"]["nan"]
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("error: iteration "), lines
+    assert lines[0].startswith("error: iteration 2: "), lines  # as Megatron's log counts
     assert "Megatron's --check-for-nan-in-loss-and-grad found nan (found NaN in local " \
            "forward loss calculation, rank 0" in lines[0], lines  # the folded model's loss
     assert lines[0].endswith("; training stopped before saving it; nothing of it was saved; "
@@ -105,7 +105,7 @@ def test_nan_ends_the_run_with_one_line_and_no_save(guard):
     assert code == 2 and len(lines) == 1, lines
     saved = result["nan_saved"]
     newest = max(name for name in saved if name.startswith("iter_"))
-    assert newest == "iter_0000002", saved
+    assert newest == "iter_0000001", saved  # saved before the NaN of iteration 2, none after
     assert f"the last good checkpoint, {workdir / 'nan' / newest}, is untouched" in lines[0]
     assert lines[0].endswith(NAN_REMEDY)
     assert "found NaN in local grad norm" in lines[0], lines  # the gradient check
