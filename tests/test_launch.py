@@ -19,7 +19,8 @@ TINY = ["--preset", "tiny", "--train-iters", "1", "--global-batch-size", "4"]
 # the plugin's tiny run: the preset plus what scripts/pretrain_gpt.py needs without a corpus
 PLUGIN_TINY = TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer",
                       "--transformer-impl", "local", "--hidden-dropout", "0",
-                      "--attention-dropout", "0", "--eval-iters", "0", "--num-workers", "0"]
+                      "--attention-dropout", "0", "--eval-interval", "1000", "--eval-iters", "0",
+                      "--num-workers", "0"]
 HELP = "python -m dhelix.megatron_lm SCRIPT --help lists the arguments"
 
 
