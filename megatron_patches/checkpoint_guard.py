@@ -141,7 +141,8 @@ def load_refusal(args, load_arg: str) -> str | None:
         return None
     if not Path(root).is_dir():
         return None  # Megatron's own handling: a warning, training from scratch
-    iteration, problem = tracker_problem(root, getattr(args, "ckpt_step", None))
+    # Megatron reads --ckpt-step only when truthy (0 means the tracker)
+    iteration, problem = tracker_problem(root, getattr(args, "ckpt_step", None) or None)
     if problem is not None or iteration is None:
         return problem
     where = iteration_dir(root, iteration)
