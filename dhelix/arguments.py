@@ -18,13 +18,13 @@ from pathlib import Path
 
 from dhelix.input_checks import (  # ArgumentError is re-exported: callers import it from here
     ArgumentError,
+    check_dhelix_files,
     check_ranges,
     check_readable_dir,
     check_readable_file,
     check_text_data_file,
     check_writable_dir,
     check_writable_file,
-    flag,
 )
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -370,9 +370,6 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
     if ns.dhelix_commfree_timing_only and not ns.dhelix:
         raise ArgumentError("--dhelix-commfree-timing-only needs --dhelix (it is the "
                             "benchmark's timing-only bound on the operator programs)")
-    for dest in ("dhelix_plan", "dhelix_profile"):
-        if getattr(ns, dest) is not None and not ns.dhelix:
-            raise ArgumentError(f"{flag(dest)} needs --dhelix")
     check_path_args(ns)
     _validate_fault_tolerance_args(ns)
     ns.data_parallel_size = dp
@@ -382,16 +379,14 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
 def check_path_args(ns: argparse.Namespace) -> None:
     """Every path argument is usable as the run will use it: --load a readable directory,
     --data-path a UTF-8 text file of at least one sample, --dhelix-plan/--dhelix-profile
-    readable files, --save a directory and --log-json a file that can be written. Creates
+    readable plan/profile files given with --dhelix (`check_dhelix_files`), --save a directory and --log-json a file that can be written. Creates
     nothing."""
     if ns.load is not None:
         check_readable_dir("--load", ns.load, what="checkpoint directory")
     if ns.data_path is not None:
         check_text_data_file("--data-path", ns.data_path, min_bytes=ns.seq_length + 1,
                              needed_for=f"one sample of --seq-length {ns.seq_length} + 1")
-    for dest in ("dhelix_plan", "dhelix_profile"):
-        if getattr(ns, dest) is not None:
-            check_readable_file(flag(dest), getattr(ns, dest))
+    check_dhelix_files(ns)
     if ns.save is not None:
         check_writable_dir("--save", ns.save)
     if ns.log_json is not None:

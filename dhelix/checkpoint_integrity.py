@@ -13,12 +13,18 @@ Guarantees:
   file the load needs matches; it reads each file once, hashing split across ranks.
 - Both work with or without a process group (one process hashes everything); with one they
   are collective: every rank must call them.
+- `damage_message` and `tracker_problem` word a refusal as one line naming the file and
+  what to do (an earlier iteration with --ckpt-step, --no-load-optim when only optimizer
+  state is hit). They serve both the old trainer (`dhelix.checkpointing`) and the plugin's
+  hook around Megatron's own save/load (`megatron_patches.checkpoint_guard`): the layout
+  (`iter_XXXXXXX/`, `latest_checkpointed_iteration.txt`) is Megatron-LM's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,27 @@ from megatron_patches.checkpoint_writer import OPTIMIZER_KEY_PREFIX
 MANIFEST = "dhelix_checksums.json"
 KIND, VERSION = "checkpoint-checksums", 1
 METADATA = ".metadata"  # torch.distributed.checkpoint's index of tensors to files
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name for the "latest" file
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """Megatron-LM's directory of one iteration's checkpoint under `root`."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def saved_iterations(root: str | os.PathLike) -> list[int]:
+    """Iterations with an `iter_XXXXXXX/` directory under `root` (dhelix's own saves rename
+    it into place when finished; Megatron's write into it directly)."""
+    found = (p.name[len("iter_"):] for p in Path(root).glob("iter_*") if p.is_dir())
+    return sorted(int(n) for n in found if n.isdigit())
+
+
+def _earlier_remedy(root, iteration: int) -> str:
+    earlier = [i for i in saved_iterations(root) if i < iteration]
+    if earlier:
+        return (f"resume from an earlier iteration with --ckpt-step N (saved under {root}: "
+                f"{', '.join(map(str, earlier))})")
+    return f"no earlier iteration is saved under {root}; start without --load"
 
 
 @dataclass(frozen=True)
@@ -166,3 +193,47 @@ def find_damage(ckpt_dir: str | Path, need_optimizer: bool = True) -> Damage | N
     damage = sorted((d for part in _all_gather(found) for d in part),
                     key=lambda d: (d.problem != "is missing", d.file))
     return damage[0] if damage else None
+
+
+def damage_message(root, iteration: int, damage: Damage, load_optimizer: bool) -> str:
+    """One line for a load refused because of `damage` in `root`'s iteration `iteration`."""
+    where = iteration_dir(root, iteration)
+    remedy = _earlier_remedy(root, iteration)
+    if damage.optimizer_only and load_optimizer:
+        remedy = ("it holds optimizer state only: pass --no-load-optim to load the weights "
+                  f"with a fresh optimizer, or {remedy}")
+    return (f"--load {root}: {where.name}/{damage.file} {damage.problem}; nothing was "
+            f"loaded; {remedy}")
+
+
+def tracker_problem(root: str | os.PathLike, ckpt_step: int | None) -> tuple[int | None, str | None]:
+    """The iteration a Megatron-LM load of `root` reads (`ckpt_step`, Megatron's
+    --ckpt-step, else the number in `latest_checkpointed_iteration.txt`), and a one-line
+    problem or None: a tracker that holds no iteration number, or an iteration directory
+    that is missing. (None, None) when `root` has no tracker and no --ckpt-step (Megatron
+    then starts from scratch) or the tracker says `release` (no iteration directory)."""
+    root = Path(root)
+    tracker = root / TRACKER
+    saved = ", ".join(map(str, saved_iterations(root))) or "none"
+    if ckpt_step is None:
+        if not tracker.is_file():
+            return None, None
+        try:
+            text = tracker.read_text(errors="replace").strip()
+        except OSError as exc:
+            return None, f"--load {root}: cannot read {TRACKER} ({exc.strerror})"
+        if text == "release":
+            return None, None
+        if not text.isdigit():
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            return None, (f"--load {root}: {TRACKER} holds {shown!r}, not an iteration "
+                          f"number; write the iteration to resume from into it or pass "
+                          f"--ckpt-step N (saved iterations: {saved})")
+        iteration, named_by = int(text), f"{TRACKER} names iteration {int(text)}"
+    else:
+        iteration, named_by = ckpt_step, f"--ckpt-step {ckpt_step}"
+    if not iteration_dir(root, iteration).is_dir():
+        return iteration, (f"--load {root}: {named_by}, but {iteration_dir(root, iteration).name}"
+                           f" is missing; nothing was loaded; pass --ckpt-step N for a saved "
+                           f"iteration (saved iterations: {saved})")
+    return iteration, None

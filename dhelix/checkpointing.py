@@ -34,7 +34,14 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from dhelix.checkpoint_integrity import Damage, find_damage, write_manifest
+from dhelix.checkpoint_integrity import (
+    TRACKER,
+    damage_message,
+    find_damage,
+    iteration_dir,
+    saved_iterations,
+    write_manifest,
+)
 from megatron_patches.checkpoint_writer import InProcessTorchDistSaveStrategy
 from megatron_patches.compat import megatron_core_version, optimizer_state_loadable
 from megatron_patches.optimizer_state import (
@@ -44,7 +51,6 @@ from megatron_patches.optimizer_state import (
 
 log = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # Arguments that define tensor shapes: a checkpoint only loads if these match.
 MODEL_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -55,16 +61,6 @@ MODEL_ARGS = (
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or incompatible with the current run."""
-
-
-def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def saved_iterations(root: str | os.PathLike) -> list[int]:
-    """Iterations with a (renamed, so finished) `iter_XXXXXXX/` directory under `root`."""
-    found = (p.name[len("iter_"):] for p in Path(root).glob("iter_*") if p.is_dir())
-    return sorted(int(n) for n in found if n.isdigit())
 
 
 def remove_incomplete_saves(root: str | os.PathLike) -> list[Path]:
@@ -184,21 +180,6 @@ def _check_compatible(saved_args: dict, args, where: Path) -> None:
         raise CheckpointError(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 
 
-def _damage_message(root, iteration: int, damage: Damage, load_optimizer: bool) -> str:
-    where = iteration_dir(root, iteration)
-    earlier = [i for i in saved_iterations(root) if i < iteration]
-    if earlier:
-        remedy = (f"resume from an earlier iteration with --ckpt-step N (saved under {root}: "
-                  f"{', '.join(map(str, earlier))})")
-    else:
-        remedy = f"no earlier iteration is saved under {root}; start without --load"
-    if damage.optimizer_only and load_optimizer:
-        remedy = ("it holds optimizer state only: pass --no-load-optim to load the weights "
-                  f"with a fresh optimizer, or {remedy}")
-    return (f"--load {root}: {where.name}/{damage.file} {damage.problem}; nothing was "
-            f"loaded; {remedy}")
-
-
 def load_checkpoint(trainer, root: str | os.PathLike, load_optimizer: bool = True,
                     load_rng: bool = True, iteration: int | None = None) -> int:
     """Load the latest checkpoint under `root` (or `iteration`, Megatron's --ckpt-step) into
@@ -224,7 +205,7 @@ def load_checkpoint(trainer, root: str | os.PathLike, load_optimizer: bool = Tru
         )
     damage = find_damage(where, need_optimizer=load_optimizer)
     if damage is not None:
-        raise CheckpointError(_damage_message(root, iteration, damage, load_optimizer))
+        raise CheckpointError(damage_message(root, iteration, damage, load_optimizer))
     common = dist_checkpointing.load_common_state_dict(str(where))
     _check_compatible(common.get("args", {}), trainer.args, where)
     saved_distopt = common.get("use_distributed_optimizer")

@@ -242,3 +242,27 @@ def check_text_data_file(option: str, path: str, min_bytes: int, needed_for: str
     except UnicodeDecodeError as exc:
         raise ArgumentError(f"{option} {path}: not UTF-8 text (cut-off character at the "
                             "end); give a UTF-8 text file") from exc
+
+
+def check_dhelix_files(ns: argparse.Namespace) -> None:
+    """--dhelix-plan / --dhelix-profile, before anything is built: each given only with
+    --dhelix, an existing regular file this process can read, holding a valid dhelix plan /
+    profile of the format version this dhelix reads (whether it fits this run's model,
+    layout and hardware is checked once the model exists, `dhelix.runtime.setup`). Used by
+    `dhelix.arguments` and by the plugin's argument hook (`dhelix.megatron_lm_checks`)."""
+    from dhelix.file_formats import FormatError
+    from planner.plan import load_plan
+    from profiler.profile_file import load_profile
+
+    for dest, load in (("dhelix_plan", load_plan), ("dhelix_profile", load_profile)):
+        path = getattr(ns, dest, None)
+        if path is None:
+            continue
+        if not ns.dhelix:
+            raise ArgumentError(f"{flag(dest)} needs --dhelix (without it the file would be "
+                                f"ignored); add --dhelix or drop {flag(dest)}")
+        check_readable_file(flag(dest), path)
+        try:
+            load(path)
+        except FormatError as exc:
+            raise ArgumentError(f"{flag(dest)} {exc}") from None

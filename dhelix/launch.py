@@ -1,23 +1,31 @@
-"""`dhelix train`: check the training arguments, then run `scripts/dhelix_trainer.py` under
-torchrun, so that a bad input ends in one `error: ...` line printed last, exit code 2.
+"""`dhelix train`: check the arguments, then run Megatron-LM's training loop with the
+dhelix plugin under torchrun (`torchrun -m dhelix.megatron_lm scripts/pretrain_gpt.py
+ARGS`), so that a bad input ends in one `error: ...` line printed last, exit code 2.
 
-    dhelix train --nproc-per-node 4 --preset tiny --tensor-model-parallel-size 2 \
-        --pipeline-model-parallel-size 2
+    dhelix train --nproc-per-node 4 --preset tiny --mock-data --tokenizer-type NullTokenizer \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --dhelix
+
+`--preset NAME` (a file configs/NAME.json, or a JSON file path) expands to Megatron
+arguments (`"num-layers": 4` -> `--num-layers 4`; true -> the flag alone; false/null ->
+nothing); an argument given on the command line wins over the preset's.
 
 Why a launcher: under plain torchrun, any rank that exits non-zero makes torchrun print its
 own ~40-line failure report (a ChildFailedError traceback) after the rank's error and exit
 with code 1, whether one rank or all ranks fail. `dhelix train` instead
 
-1. validates every Megatron argument (ranges, paths, sizes against the world size
-   `--nproc-per-node x --nnodes`) before starting anything: a bad one prints
-   `error: ...` and exits 2, and no process is started;
-2. otherwise runs `python -m torch.distributed.run ... scripts/dhelix_trainer.py ARGS` and
-   hands every rank the path of an error file (`$DHELIX_ERROR_FILE`): a rank that stops on
-   a clear error found only at run time (a checkpoint that does not fit, a plan for another
-   run) writes its message there instead of printing it (`report_error`). When torchrun
-   fails and the file holds a message, the launcher prints `error: MESSAGE` after
-   torchrun's report, as the last line, and exits 2; otherwise it exits with torchrun's
-   code (0 on success, 1 when a rank crashed).
+1. parses the arguments with Megatron-LM's parser and the plugin's hooks
+   (`megatron_patches.training_hooks`: argparse errors, `--dhelix` refusals, plan/profile
+   files) and checks the world size `--nproc-per-node x --nnodes` against TP x PP before
+   starting anything: a bad one prints `error: ...` and exits 2, and no process is
+   started;
+2. otherwise runs `python -m torch.distributed.run ... -m dhelix.megatron_lm
+   scripts/pretrain_gpt.py ARGS` and hands every rank the path of an error file
+   (`$DHELIX_ERROR_FILE`): a rank that stops on a clear error found only at run time (a
+   damaged checkpoint, a NaN, a stalled rank, a plan for another run) writes its message
+   there instead of printing it (`report_error`). When torchrun fails and the file holds a
+   message, the launcher prints `error: MESSAGE` after torchrun's report, as the last
+   line, and exits 2; otherwise it exits with torchrun's code (0 on success, 1 when a rank
+   crashed).
 
 Ctrl-C reaches torchrun directly (same process group); while torchrun runs the launcher
 ignores SIGINT and passes SIGTERM and SIGHUP on to torchrun, then waits for it.
@@ -38,7 +46,7 @@ from pathlib import Path
 ERROR_FILE_ENV = "DHELIX_ERROR_FILE"
 ERROR_EXIT_CODE = 2
 RANK0_GRACE_S = 2.0
-PRETRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "dhelix_trainer.py"
+PRETRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "pretrain_gpt.py"
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -73,6 +81,12 @@ def report_error(message: str) -> None:
         time.sleep(RANK0_GRACE_S)
 
 
+def exit_with_error(message: str):
+    """`report_error(message)`, then end this rank with `ERROR_EXIT_CODE` (SystemExit)."""
+    report_error(message)
+    sys.exit(ERROR_EXIT_CODE)
+
+
 def _write_torchelastic_error(text: str) -> None:
     """torchrun's error-file format (what `torch.distributed.elastic`'s `@record` writes)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -89,9 +103,10 @@ def _write_torchelastic_error(text: str) -> None:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train", help="check the arguments, then train under torchrun (scripts/dhelix_trainer.py)",
-        description=__doc__ + "\nAll other arguments are scripts/dhelix_trainer.py's (Megatron's; "
-        "see `python scripts/dhelix_trainer.py --help`).",
+        "train", help="check the arguments, then train under torchrun (Megatron-LM's "
+        "pretrain() with the dhelix plugin, scripts/pretrain_gpt.py)",
+        description=__doc__ + "\nAll other arguments are Megatron-LM's and the plugin's "
+        "(`python -m dhelix.megatron_lm scripts/pretrain_gpt.py --help`).",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks on this node (default 1)")
@@ -100,7 +115,52 @@ def register(subparsers) -> None:
     parser.add_argument("--master-addr", default=None, help="node 0's address (multi-node)")
     parser.add_argument("--master-port", type=int, default=None,
                         help="node 0's port (default: a free port on one node)")
+    parser.add_argument("--preset", default=None,
+                        help="model preset expanded to Megatron arguments: a name in configs/ "
+                             "(e.g. tiny) or a JSON file path")
     parser.set_defaults(func=run, pass_through=True)
+
+
+def preset_arguments(preset: str, megatron_args: list[str]) -> list[str]:
+    """`preset`'s values as Megatron arguments, leaving out those `megatron_args` gives.
+    Raises ArgumentError for an unknown or unreadable preset (`dhelix.arguments`)."""
+    from dhelix.arguments import load_preset
+
+    given = {word.split("=", 1)[0] for word in megatron_args if word.startswith("--")}
+    expanded = []
+    for dest, value in load_preset(preset).items():
+        option = "--" + dest.replace("_", "-")
+        if option in given or value is None or value is False:
+            continue
+        expanded += [option] if value is True else [option, str(value)]
+    return expanded
+
+
+def _plugin_problem(megatron_args: list[str], world_size: int) -> str | None:
+    """Parse `megatron_args` as the ranks will (Megatron-LM's parser with the plugin's
+    hooks, in this process, no process group): a rejected command line has printed its
+    `error: ...` line already (returns ""); a world size TP x PP does not divide is
+    returned as a message; None when the ranks can start."""
+    from megatron.training import arguments
+
+    from dhelix.megatron_lm import install_plugin
+
+    install_plugin()
+    saved = sys.argv
+    sys.argv = [str(PRETRAIN_SCRIPT), *megatron_args]
+    try:
+        args = arguments.parse_args()
+    except SystemExit as exc:
+        return "" if exc.code else None
+    finally:
+        sys.argv = saved
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        return (f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                f"{args.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                f"{args.pipeline_model_parallel_size}; launch a multiple of {model_parallel} "
+                "processes")
+    return None
 
 
 def _launcher_problem(args) -> str | None:
@@ -121,7 +181,8 @@ def _launcher_problem(args) -> str | None:
 
 
 def torchrun_command(args, megatron_args: list[str]) -> list[str]:
-    """The torchrun command line `dhelix train` runs (this Python's torch.distributed.run)."""
+    """The torchrun command line `dhelix train` runs (this Python's torch.distributed.run,
+    the plugin's launcher `dhelix.megatron_lm` with scripts/pretrain_gpt.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run",
            "--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes),
            "--node-rank", str(args.node_rank)]
@@ -129,7 +190,7 @@ def torchrun_command(args, megatron_args: list[str]) -> list[str]:
         cmd += ["--master-addr", args.master_addr]
     if args.master_port is not None:
         cmd += ["--master-port", str(args.master_port)]
-    return cmd + [str(PRETRAIN_SCRIPT), *megatron_args]
+    return cmd + ["-m", "dhelix.megatron_lm", str(PRETRAIN_SCRIPT), *megatron_args]
 
 
 def _wait(proc: subprocess.Popen) -> int:
@@ -155,15 +216,19 @@ def _first_error(path: Path) -> str | None:
 
 
 def run(args) -> int:
-    from dhelix.arguments import ArgumentError, parse_args
+    from dhelix.arguments import ArgumentError
 
     megatron_args = list(args.extra_args)
     problem = _launcher_problem(args)
-    if problem is None:
+    if problem is None and args.preset:
         try:
-            parse_args(megatron_args, world_size=args.nproc_per_node * args.nnodes)
+            megatron_args = preset_arguments(args.preset, megatron_args) + megatron_args
         except ArgumentError as exc:
             problem = str(exc)
+    if problem is None:
+        problem = _plugin_problem(megatron_args, args.nproc_per_node * args.nnodes)
+        if problem == "":  # printed already
+            return ERROR_EXIT_CODE
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return ERROR_EXIT_CODE

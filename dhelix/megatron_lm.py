@@ -32,13 +32,20 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 
 
-def run_script(script: str, args: list[str]) -> None:
-    """Install the shims and hooks, then run `script` with `args` as its `sys.argv[1:]`."""
+def install_plugin() -> None:
+    """Install the CPU shims (on a CPU-only machine) and the training hooks in this process
+    (idempotent; `dhelix train` also parses its arguments with them before launching)."""
     from megatron_patches.training_hooks import install_training_hooks
     from megatron_patches.training_shims import apply_training_cpu_shims
 
+    _quiet_known_warnings()
     apply_training_cpu_shims()
     install_training_hooks()
+
+
+def run_script(script: str, args: list[str]) -> None:
+    """Install the shims and hooks, then run `script` with `args` as its `sys.argv[1:]`."""
+    install_plugin()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
@@ -54,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: SCRIPT {script} is not a file; pass a Megatron-LM pretrain script, "
               "e.g. scripts/pretrain_gpt.py", file=sys.stderr)
         return 2
-    _quiet_known_warnings()
     run_script(script, args)
     return 0
 

@@ -1,7 +1,7 @@
-"""Megatron-LM arguments that `--dhelix` cannot honour, checked on the parsed namespace
-before Megatron validates it and before any process group exists
-(`megatron_patches.training_hooks`). Each refusal is one line naming the argument and
-what to do instead."""
+"""Megatron-LM arguments that `--dhelix` cannot honour, and `--dhelix*` arguments that
+cannot work, checked on the parsed namespace before Megatron validates it and before any
+process group exists (`megatron_patches.training_hooks`). Each refusal is one line naming
+the argument and what to do instead."""
 
 from __future__ import annotations
 
@@ -82,6 +82,30 @@ def _has_transformer_engine() -> bool:
     from megatron_patches.compat import has_transformer_engine
 
     return has_transformer_engine()
+
+
+def check_plugin_args(args) -> None:
+    """Raise `UnsupportedArgument` for the first problem of a plugin run's arguments, with
+    or without `--dhelix`: `--dhelix-plan`/`--dhelix-profile` without `--dhelix`, missing,
+    not a file, unreadable, corrupt or of another format version
+    (`dhelix.input_checks.check_dhelix_files`); with `--dhelix`, every refusal of
+    `check_dhelix_args` and a `--num-layers` the folded model cannot split
+    (`dhelix.folding.FoldedLayout`)."""
+    from dhelix.folding import FoldedLayout, FoldingError, uses_folded_model
+    from dhelix.input_checks import ArgumentError, check_dhelix_files
+
+    if args.dhelix:
+        check_dhelix_args(args)
+        if uses_folded_model(args):
+            try:
+                FoldedLayout(args.num_layers, args.pipeline_model_parallel_size)
+            except FoldingError as exc:
+                raise UnsupportedArgument(f"--dhelix with --pipeline-model-parallel-size > 1 "
+                                          f"folds the model into a U: {exc}") from None
+    try:
+        check_dhelix_files(args)
+    except ArgumentError as exc:
+        raise UnsupportedArgument(str(exc)) from None
 
 
 def check_dhelix_args(args) -> None:

@@ -67,6 +67,13 @@ def _dhelix_store():
     return dist.PrefixStore("dhelix", dist.distributed_c10d._get_default_store())
 
 
+def job_of_megatron_group(timeout: timedelta) -> Job:
+    """The Job of a default group that megatron.training's `initialize_megatron` created
+    (under the plugin): that group's store, prefixed for dhelix's keys, and its timeout
+    (Megatron's --distributed-timeout-minutes). Call after the group exists."""
+    return Job(_dhelix_store(), timeout)
+
+
 def _timeout_key() -> str:
     # one key per rank: each process reads back exactly the timeout it joined with
     return f"job/timeout_us/{dist.get_rank()}"

@@ -30,9 +30,12 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 OPTIMIZER_KEY_PREFIX = "optimizer."
 
 
-def _use_in_process_results_queue() -> None:
+def use_in_process_results_queue() -> None:
     """Give megatron-core's module-level results queue an in-process queue, unless one
-    exists already, so `get_write_results_queue` never starts a Manager process."""
+    exists already, so `get_write_results_queue` never starts a Manager process. For
+    synchronous saves only (an `--async-save` worker process could not reach it). Used by
+    `InProcessTorchDistSaveStrategy` and by the plugin's hook around Megatron-LM's
+    `save_checkpoint` (`megatron_patches.checkpoint_guard`)."""
     if not hasattr(filesystem_async, "_results_queue"):
         raise RuntimeError(
             "megatron-core changed dist_checkpointing.strategies.filesystem_async "
@@ -40,6 +43,10 @@ def _use_in_process_results_queue() -> None:
         )
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+    # megatron-core 0.19 logs "MCore's async save is deprecated ... use NVRx" on the first
+    # "mcore" save of a process, also for a synchronous save (there is no other synchronous
+    # path); it does not apply to one, so mark it as said.
+    torch_strategy._logged_mcore_async_deprecation = True
 
 
 class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
@@ -53,10 +60,6 @@ class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
                          separation_hint=OPTIMIZER_KEY_PREFIX)
 
     def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "mcore"):
-        _use_in_process_results_queue()
-        # megatron-core 0.19 logs "MCore's async save is deprecated ... use NVRx" on the
-        # first "mcore" save of a process, also for a synchronous save like this one (there
-        # is no other synchronous path); it does not apply here, so mark it as said.
-        torch_strategy._logged_mcore_async_deprecation = True
+        use_in_process_results_queue()
         return super().async_save(sharded_state_dict, checkpoint_dir,
                                   async_strategy=async_strategy)

@@ -3,14 +3,17 @@
 
 1. Arguments (`megatron.training.arguments.parse_args`, which `parse_and_validate_args` and
    every pretrain script call): the script's own `extra_args_provider` still runs; the
-   `--dhelix*` arguments (`dhelix.arguments.add_dhelix_runtime_args`) are added after it.
+   `--dhelix*` arguments (`dhelix.arguments.add_dhelix_runtime_args`) are added after it,
+   and a command line argparse rejects ends in one `error: ...` line, not the usage text
+   (`megatron_patches.argument_errors`). Every run (with or without `--dhelix`) first gets
+   the adaptations its machine needs (`megatron_patches.machine_arguments`: gloo and no CUDA
+   kernel fusions on CPU; on a GPU without Transformer Engine or Apex, the local spec and no
+   fusions their kernels provide; gloo when ranks share a GPU), named in one line on rank 0.
    Right after parsing, before Megatron validates anything and before any process group
-   exists, `--dhelix` runs are checked (`dhelix.megatron_lm_checks`): an argument the DHelix
-   runtime cannot honour stops the run with one `error: ...` line naming it (exit code 2).
-   Every run (with or without `--dhelix`) first gets the adaptations its machine needs
-   (`megatron_patches.machine_arguments`: gloo and no CUDA kernel fusions on CPU; on a GPU
-   without Transformer Engine or Apex, the local spec and no fusions their kernels provide;
-   gloo when ranks share a GPU), named in one line on rank 0.
+   exists, the arguments are checked (`dhelix.megatron_lm_checks.check_plugin_args`): an
+   argument the DHelix runtime cannot honour, a `--dhelix-plan`/`--dhelix-profile` file that
+   is missing, corrupt or of another version, or one given without `--dhelix`, stops the run
+   with one `error: ...` line naming it (exit code 2).
 2. The folded model (`--dhelix` with PP > 1, see `megatron_patches.folded_model`):
    Megatron's parallel state gets the folded embedding group (first stage only), and
    `GPTModelBuilder.build_model` (the model-config path of `pretrain`, Megatron-LM 0.19's
@@ -33,19 +36,32 @@
    the local spec's `DotProductAttention` becomes `SDPAttention`
    (`megatron_patches.sdpa_attention`); arguments it cannot honour stop the run at parse time.
 
-Without `--dhelix` (and with the default `--dhelix-attention megatron`) every hook hands the
-call to Megatron unchanged. One fix applies to every run: the wheel's prebuilt dataset
-helpers are used instead of compiling them
-(`megatron_patches.compat.use_prebuilt_dataset_helpers`).
+Without `--dhelix` (and with the default `--dhelix-attention megatron`) hooks 2-4 hand the
+call to Megatron unchanged. What applies to every run, with or without `--dhelix`:
+
+5. Checkpoints (`megatron.training.checkpointing.save_checkpoint` / `load_checkpoint`, as
+   `pretrain()` calls them, see `megatron_patches.checkpoint_guard`): a `torch_dist` save
+   writes a checksum manifest before its iteration becomes "latest" and starts no process
+   that could outlive a killed rank; a load verifies the files it reads first and refuses a
+   damaged checkpoint with one `error: ...` line naming the file.
+6. A NaN/inf found by Megatron's `--check-for-nan-in-loss-and-grad` (its rerun state
+   machine, `should_checkpoint_and_exit`) ends the run with one `error: ...` line and no
+   checkpoint (`megatron_patches.nan_stop`).
+7. A stalled rank (`megatron.training.pretrain`, see `megatron_patches.stall_roll_call`):
+   when a collective times out after `--distributed-timeout-minutes`, the ranks still
+   running name the one that stopped answering in one `error: ...` line and end the job.
+8. The wheel's prebuilt dataset helpers are used instead of compiling them
+   (`megatron_patches.compat.use_prebuilt_dataset_helpers`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import sys
+from datetime import timedelta
 
 from dhelix.arguments import add_dhelix_runtime_args
+from megatron_patches.argument_errors import one_line_parser_errors
 from megatron_patches.machine_arguments import adapt_to_this_machine
 
 
@@ -54,6 +70,7 @@ def _with_dhelix_args(extra_args_provider):
         if extra_args_provider is not None:
             parser = extra_args_provider(parser)
         add_dhelix_runtime_args(parser)
+        one_line_parser_errors(parser)
         return parser
 
     return provider
@@ -67,15 +84,12 @@ def _hook_parse_args(arguments) -> None:
         args = original(_with_dhelix_args(extra_args_provider), ignore_unknown_args)
         adapt_to_this_machine(args)
         _check_attention(args)
-        if args.dhelix:
-            from dhelix.launch import ERROR_EXIT_CODE, report_error
-            from dhelix.megatron_lm_checks import UnsupportedArgument, check_dhelix_args
+        from dhelix.megatron_lm_checks import UnsupportedArgument, check_plugin_args
 
-            try:
-                check_dhelix_args(args)
-            except UnsupportedArgument as exc:
-                report_error(str(exc))
-                sys.exit(ERROR_EXIT_CODE)
+        try:
+            check_plugin_args(args)
+        except UnsupportedArgument as exc:
+            _fail(str(exc))
         return args
 
     parse_args.__dhelix_original__ = original  # read by `install_training_hooks`
@@ -110,10 +124,9 @@ def _folded(args) -> bool:
 
 
 def _fail(message: str):
-    from dhelix.launch import ERROR_EXIT_CODE, report_error
+    from dhelix.launch import exit_with_error
 
-    report_error(message)
-    sys.exit(ERROR_EXIT_CODE)
+    exit_with_error(message)
 
 
 def _hook_parallel_state(parallel_state) -> None:
@@ -246,17 +259,20 @@ def _hook_default_layer_spec(gpt_models) -> None:
 
 
 def _hook_training(training) -> None:
+    from megatron_patches.checkpoint_guard import forget_last_checkpoint
+
     setup_model_and_optimizer = training.setup_model_and_optimizer
     get_forward_backward_func = training.get_forward_backward_func
 
     @functools.wraps(setup_model_and_optimizer)
     def setup(*args, **kwargs):
         _Run.forward_backward = None  # a new pretrain() in this process starts afresh
+        forget_last_checkpoint()
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         megatron_args = _megatron_args()
         if megatron_args.dhelix:
             from dhelix.file_formats import FormatError
-            from dhelix.parallel import Job
+            from dhelix.parallel import job_of_megatron_group
             from dhelix.runtime.megatron_training import megatron_forward_backward
             from dhelix.runtime.setup import DHelixSetupError, setup_dhelix
             from megatron_patches.folded_model import FoldedGPTModel
@@ -267,9 +283,12 @@ def _hook_training(training) -> None:
                       "model from the GPTModelConfig given to pretrain() (as Megatron-LM's "
                       "pretrain_gpt.py does); this script built its model another way (a "
                       "model_provider)")
+            # megatron.training created the process group: DHelix's own groups (lanes) get
+            # its --distributed-timeout-minutes too, so a stalled rank is found in them
+            job = job_of_megatron_group(
+                timedelta(minutes=megatron_args.distributed_timeout_minutes))
             try:
-                # Job(): megatron.training created the process group (its own timeout)
-                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model, Job())
+                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model, job)
             except (DHelixSetupError, FormatError) as exc:
                 _fail(str(exc))
             _Run.forward_backward = megatron_forward_backward(dhelix_setup, megatron_args)
@@ -301,9 +320,15 @@ def install_training_hooks() -> None:
     if hasattr(arguments.parse_args, "__dhelix_original__"):
         return
 
+    from megatron_patches.checkpoint_guard import install_checkpoint_guard
     from megatron_patches.compat import use_prebuilt_dataset_helpers
+    from megatron_patches.nan_stop import install_nan_stop
+    from megatron_patches.stall_roll_call import install_stall_roll_call
 
     use_prebuilt_dataset_helpers()
+    install_checkpoint_guard()
+    install_nan_stop()
+    install_stall_roll_call()
     _hook_parallel_state(parallel_state)
     _hook_model_builder(gpt_models)
     _hook_default_layer_spec(gpt_models)

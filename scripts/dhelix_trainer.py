@@ -10,8 +10,9 @@ Megatron's own forward/backward schedule. Logs loss, step time, tokens/s and pea
 
 Bad arguments are reported as one line naming the argument and the fix, with exit code 2,
 before any process group is created (rank 0 prints it; torchrun then adds its own failure
-report and exits 1). Under `dhelix train` (`dhelix.launch`) the ranks hand the line to the
-launcher, which prints it last and exits 2.
+report and exits 1). When `$DHELIX_ERROR_FILE` is set the ranks write the line there
+instead (`dhelix.launch.report_error`). `dhelix train` no longer runs this trainer: it
+launches the Megatron-LM plugin (`dhelix.megatron_lm`).
 """
 
 from __future__ import annotations

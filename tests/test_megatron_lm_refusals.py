@@ -78,6 +78,88 @@ def test_refusal_through_the_launcher():
     assert "initializing torch distributed" not in proc.stdout
 
 
+def _one_line(argv, monkeypatch) -> str:
+    """The one `error:` line (exit code 2) of parsing ARGV with the plugin's hook, before
+    any process group exists."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    code, err = _parse(TINY + ["--train-iters", "1"] + argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, err[-3000:])
+    assert not dist.is_initialized()
+    return lines[0]
+
+
+def _plan_and_profile_files(tmp_path) -> dict:
+    """name -> (path, expected message after 'error: OPTION PATH')."""
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    stale_plan = tmp_path / "stale_plan.json"
+    stale_plan.write_text('{"format": "dhelix-plan", "version": 0}')
+    stale_profile = tmp_path / "stale_profile.json"
+    stale_profile.write_text('{"format": "dhelix-profile", "version": 0}')
+    return {
+        "missing": (tmp_path / "none.json", ": no such file; check the path"),
+        "directory": (tmp_path, ": is a directory or special file; give a file"),
+        "corrupt": (corrupt, ": "),
+        "stale plan": (stale_plan, ": "),
+        "stale profile": (stale_profile, ": "),
+    }
+
+
+@pytest.mark.parametrize("option", ["--dhelix-plan", "--dhelix-profile"])
+def test_plan_and_profile_files_are_checked_at_parse_time(option, tmp_path, monkeypatch):
+    files = _plan_and_profile_files(tmp_path)
+    for name, (path, message) in files.items():
+        if name.startswith("stale") and not name.endswith(option.split("-")[-1]):
+            continue
+        line = _one_line(["--dhelix", option, str(path)], monkeypatch)
+        assert line.startswith(f"error: {option} {path}{message}"), (name, line)
+        if name.startswith("stale"):
+            assert "version" in line, line
+        if name == "corrupt":
+            assert "JSON" in line or "json" in line, line
+
+
+def test_plan_without_dhelix_is_refused_not_ignored(tmp_path, monkeypatch):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    for option in ("--dhelix-plan", "--dhelix-profile"):
+        assert _one_line([option, str(plan)], monkeypatch) == (
+            f"error: {option} needs --dhelix (without it the file would be ignored); add "
+            f"--dhelix or drop {option}")
+
+
+HELP = "python -m dhelix.megatron_lm SCRIPT --help lists the arguments"
+
+
+def test_argparse_errors_are_one_line(monkeypatch):
+    cases = {
+        ("--dhelix", "--dhelix-plan"): "error: argument --dhelix-plan: expected one argument",
+        ("--dhelix", "--dhelix-pairer", "bogus"):
+            "error: argument --dhelix-pairer: invalid choice: 'bogus' (choose from 'dp', "
+            "'sequential', 'round_robin', 'domino')",
+        ("--dhelx",): "error: unrecognized arguments: --dhelx (did you mean: --dhelx -> "
+                      "--dhelix)",
+        ("--distributed-timeout-minutes", "0.5"):
+            "error: argument --distributed-timeout-minutes: invalid int value: '0.5'",
+    }
+    for argv, line in cases.items():
+        got = _one_line(list(argv), monkeypatch)
+        assert got == f"{line}; {HELP}", got
+
+
+def test_layers_the_folded_model_cannot_split(monkeypatch):
+    line = _one_line(["--dhelix", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
+                     monkeypatch)
+    assert line == ("error: --dhelix with --pipeline-model-parallel-size > 1 folds the model "
+                    "into a U: model folding needs --num-layers divisible by 2 x "
+                    "--pipeline-model-parallel-size: --num-layers 2 is not a multiple of 2 x 2"
+                    " = 4; choose a layer count that is a multiple of 4")
+
+
 @pytest.mark.parametrize("extra, named", [
     (["--reset-attention-mask"], "--reset-attention-mask"),
     (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
@@ -86,14 +168,6 @@ def test_refusal_through_the_launcher():
 def test_sdpa_attention_refuses_stock_runs_it_cannot_honour(extra, named, monkeypatch):
     """`--dhelix-attention sdpa` also applies without `--dhelix`: a mask that is not plain
     causal, or a user layer spec it would not reach, stops stock runs in one line."""
-    import torch.distributed as dist
-
-    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
-    monkeypatch.setenv("RANK", "0")
-    argv = TINY + ["--train-iters", "1"] + extra
-    code, err = _parse(argv + ["--dhelix-attention", "sdpa"])
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, err
-    assert lines[0].startswith("error: --dhelix-attention sdpa") and named in lines[0], lines[0]
-    assert not dist.is_initialized()
-    assert _parse(argv)[0] is None  # Megatron's own attention takes it
+    line = _one_line(extra + ["--dhelix-attention", "sdpa"], monkeypatch)
+    assert line.startswith("error: --dhelix-attention sdpa") and named in line, line
+    assert _parse(TINY + ["--train-iters", "1"] + extra)[0] is None  # Megatron's own takes it

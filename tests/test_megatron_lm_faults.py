@@ -1,0 +1,169 @@
+"""Faults on the plugin path as a user meets them: real `torchrun --nproc-per-node 2 -m
+dhelix.megatron_lm scripts/pretrain_gpt.py` jobs (gloo, tiny GPT), each with a hard
+timeout, each asserting the exact `error:` line rank 0 prints and that no process of the job
+is left afterwards (found by a marker in the environment every process of the job
+inherits, so a Manager or resource_tracker reparented to init is found too).
+
+- a bad `--dhelix*` argument: one line, not Megatron's usage text from every rank;
+- SIGSTOP of rank 1 with `--distributed-timeout-minutes 1`: the job ends within the
+  timeout plus the roll call, naming rank 1 (`megatron_patches.stall_roll_call`);
+- kill -9 of rank 1 during training with `--save` every iteration: the job ends and no
+  process is left (no save Manager, `megatron_patches.checkpoint_guard`); the checkpoint it
+  left, with random bytes in a shard, is refused at `--load` with one line.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dhelix.harness import free_port
+from tests.megatron_lm_ranks import ROOT, SCRIPT, TINY
+
+TIMEOUT_S = 240
+MARKER = "DHELIX_FAULT_TEST"
+
+
+def _job_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARKER) == marker:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _kill_all(marker: str) -> None:
+    for proc in _job_processes(marker):
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+class Job:
+    """One torchrun job of the plugin; `finish()` returns (exit code, stdout, stderr, the
+    job's processes still alive 3 s after torchrun ended)."""
+
+    def __init__(self, argv: list[str], workdir: Path):
+        self.marker = uuid.uuid4().hex
+        self.out, self.err = workdir / f"{self.marker}.out", workdir / f"{self.marker}.err"
+        env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: self.marker})
+        env.pop("DHELIX_ERROR_FILE", None)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "dhelix.megatron_lm", SCRIPT, *argv]
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+        self.started = time.monotonic()
+
+    def rank_pid(self, rank: int) -> int:
+        for proc in _job_processes(self.marker):
+            try:
+                env = proc.environ()
+                if env.get("RANK") == str(rank) and "dhelix.megatron_lm" in proc.cmdline():
+                    if env.get("TORCHELASTIC_RUN_ID") is not None and proc.pid != self.proc.pid:
+                        return proc.pid
+            except psutil.Error:
+                continue
+        raise AssertionError(f"rank {rank} not found")
+
+    def wait_for(self, predicate, what: str) -> None:
+        while not predicate():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job ended before {what}: {self.err.read_text()[-3000:]}")
+            if time.monotonic() - self.started > TIMEOUT_S:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.5)
+
+    def finish(self):
+        try:
+            code = self.proc.wait(timeout=max(1, TIMEOUT_S - (time.monotonic() -
+                                                               self.started)))
+        except subprocess.TimeoutExpired:
+            _kill_all(self.marker)
+            self.proc.kill()
+            raise AssertionError("job hung: " + self.err.read_text()[-3000:]) from None
+        self.wall_s = time.monotonic() - self.started
+        time.sleep(3)
+        left = [(p.pid, " ".join(p.cmdline())[:120]) for p in _job_processes(self.marker)
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        _kill_all(self.marker)
+        return code, self.out.read_text(), self.err.read_text(), left
+
+
+def _errors(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return tmp_path
+
+
+def test_bad_dhelix_argument_is_one_line_from_torchrun(workdir):
+    job = Job(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-pairer", "bogus"], workdir)
+    code, out, err, left = job.finish()
+    assert code != 0 and left == []
+    assert _errors(err) == [
+        "error: argument --dhelix-pairer: invalid choice: 'bogus' (choose from 'dp', "
+        "'sequential', 'round_robin', 'domino'); python -m dhelix.megatron_lm SCRIPT --help "
+        "lists the arguments"], err[-3000:]
+    assert "usage:" not in err and len(err.splitlines()) < 80, err[-3000:]
+
+
+def test_stopped_rank_is_named_within_the_timeout(workdir):
+    job = Job(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "1",
+                      "--dhelix"], workdir)
+    job.wait_for(lambda: " iteration        2/" in job.out.read_text(), "iteration 2")
+    stopped = job.rank_pid(1)
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    code, out, err, left = job.finish()
+    took = time.monotonic() - stopped_at - 3
+    print(f"SIGSTOP to the end of the job: {took:.1f} s")
+    assert code != 0 and left == [], (left, err[-3000:])
+    errors = _errors(err)
+    assert len(errors) == 1, err[-5000:]
+    assert re.fullmatch(
+        r"error: rank 1 of 2 stopped answering: a collective waited "
+        r"--distributed-timeout-minutes 1 \(60 s\) and it did not answer a roll call within "
+        rf"12 s \(rank 1: pid {stopped} on \S+, killed\); the job stops\. If it was only "
+        r"slow \(a long save or first step\), raise --distributed-timeout-minutes",
+        errors[0]), errors[0]
+    assert took < 60 + 12 + 25, took
+
+
+def test_killed_rank_leaves_no_process_and_a_damaged_save_is_refused(workdir):
+    ckpt = workdir / "ckpt"
+    job = Job(TINY + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "1",
+                      "--dhelix"], workdir)
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    job.wait_for(lambda: tracker.is_file() and tracker.read_text().strip() not in ("", "1"),
+                 "a second save")
+    os.kill(job.rank_pid(1), signal.SIGKILL)
+    code, out, err, left = job.finish()
+    print(f"kill -9 to the end of the job: {job.wall_s:.1f} s since start")
+    assert code != 0 and left == [], left
+    latest = int(tracker.read_text())
+    shard = ckpt / f"iter_{latest:07d}" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 256] = os.urandom(256)
+    shard.write_bytes(bytes(data))
+    earlier = sorted(int(p.name[5:]) for p in ckpt.glob("iter_*") if int(p.name[5:]) < latest)
+    load = Job(TINY + ["--train-iters", "100000", "--load", str(ckpt), "--dhelix"], workdir)
+    code, out, err, left = load.finish()
+    assert code != 0 and left == []
+    assert _errors(err) == [
+        f"error: --load {ckpt}: iter_{latest:07d}/__0_0.distcp does not match its saved "
+        "SHA-256 (its bytes changed since the save); nothing was loaded; resume from an "
+        f"earlier iteration with --ckpt-step N (saved under {ckpt}: "
+        f"{', '.join(map(str, earlier))})"], err[-3000:]
