@@ -4,7 +4,7 @@ line under the plugin (`megatron.training.arguments.parse_args` builds the parse
 
 argparse's own `error` prints the full usage (about 720 lines for Megatron's parser) and
 the message, on every rank. Here it reports `error: MESSAGE` once per job
-(`dhelix.launch.exit_with_error`: rank 0 prints it) and exits with argparse's code 2. For
+(`dhelix.rank_errors.exit_with_error`: rank 0 prints it) and exits with argparse's code 2. For
 an unrecognized option close to a known one (a typo like `--dhelx`), the message names it.
 """
 
@@ -35,7 +35,7 @@ def one_line_parser_errors(parser: argparse.ArgumentParser) -> argparse.Argument
     2, instead of the usage text. Returns `parser`."""
 
     def error(message: str):
-        from dhelix.launch import exit_with_error
+        from dhelix.rank_errors import exit_with_error
 
         exit_with_error(f"{message}{_suggestions(parser, message)}; {HELP}")
 

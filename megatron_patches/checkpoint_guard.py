@@ -169,7 +169,7 @@ def _wrap_load(original):
     def load_checkpoint(*args, **kwargs):
         from megatron.training import get_args
 
-        from dhelix.launch import exit_with_error
+        from dhelix.rank_errors import exit_with_error
 
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()

@@ -69,7 +69,7 @@ def install_nan_stop() -> None:
 
     @functools.wraps(original)
     def should_checkpoint_and_exit(self):
-        from dhelix.launch import exit_with_error
+        from dhelix.rank_errors import exit_with_error
 
         decision = original(self)
         if decision[1] and self.state in stopping:

@@ -63,7 +63,7 @@ def _wrap_pretrain(original):
         try:
             return original(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is a stalled peer
-            from dhelix.launch import ERROR_EXIT_CODE, report_error
+            from dhelix.rank_errors import ERROR_EXIT_CODE, report_error
 
             guard = _Guard.current
             if guard is None or guard.explain(exc, report_error) is None:

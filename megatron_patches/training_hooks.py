@@ -124,7 +124,7 @@ def _folded(args) -> bool:
 
 
 def _fail(message: str):
-    from dhelix.launch import exit_with_error
+    from dhelix.rank_errors import exit_with_error
 
     exit_with_error(message)
 

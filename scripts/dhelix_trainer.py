@@ -11,7 +11,7 @@ Megatron's own forward/backward schedule. Logs loss, step time, tokens/s and pea
 Bad arguments are reported as one line naming the argument and the fix, with exit code 2,
 before any process group is created (rank 0 prints it; torchrun then adds its own failure
 report and exits 1). When `$DHELIX_ERROR_FILE` is set the ranks write the line there
-instead (`dhelix.launch.report_error`). `dhelix train` no longer runs this trainer: it
+instead (`dhelix.rank_errors.report_error`). `dhelix train` no longer runs this trainer: it
 launches the Megatron-LM plugin (`dhelix.megatron_lm`).
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dhelix.arguments import ArgumentError, parse_args  # noqa: E402
-from dhelix.launch import ERROR_EXIT_CODE, report_error  # noqa: E402
+from dhelix.rank_errors import ERROR_EXIT_CODE, report_error  # noqa: E402
 
 
 def _quiet_known_warnings() -> None:

@@ -36,12 +36,13 @@ class Layer:
 # bottom (matched exactly, so they catch no unplaced module).
 LAYERS = (
     Layer("foundations: file formats, arguments, operator DAGs, topology, fingerprints, the "
-          "emulated cluster, the profile file format (what the planner and the profiler "
-          "share); nothing of the engine", ((
+          "emulated cluster, devices, a rank's one-line error, the profile and plan file "
+          "formats (what the planner, the profiler and the argument checks share); nothing "
+          "of the engine", ((
               "dhelix.file_formats", "dhelix.dag", "dhelix.topology", "dhelix.run_fingerprint",
-              "dhelix.input_checks", "dhelix.arguments", "dhelix.folding", "dhelix.launch",
-              "dhelix.env_report", "dhelix.divergence", "dhelix.memory", "dhelix.cluster",
-              "profiler.profile_file", "profiler.fingerprint"),)),
+              "dhelix.input_checks", "dhelix.arguments", "dhelix.folding", "dhelix.rank_errors",
+              "dhelix.divergence", "dhelix.memory", "dhelix.cluster", "dhelix.devices",
+              "profiler.profile_file", "profiler.fingerprint", "planner.plan"),)),
     Layer("engine: megatron-core adapters and shims, process groups, checkpoints, data", ((
         "megatron_patches", "dhelix.parallel", "dhelix.harness", "dhelix.stall",
         "dhelix.checkpoint_integrity", "dhelix.checkpointing", "dhelix.data", "dhelix.memtrace",
@@ -56,8 +57,8 @@ LAYERS = (
     Layer("run: the DHelix schedules built from a plan, the trainer", ((
         "dhelix.runtime", "dhelix.training"),)),
     Layer("entry points: the Megatron-LM plugin's hooks, CLIs, benchmarks, scripts", ((
-        "megatron_patches.training_hooks", "dhelix.megatron_lm", "dhelix.cli",
-        "dhelix.__main__", "dhelix.bench", "scripts"),)),
+        "megatron_patches.training_hooks", "dhelix.megatron_lm", "dhelix.cli", "dhelix.launch",
+        "dhelix.env_report", "dhelix.__main__", "dhelix.bench", "scripts"),)),
 )
 
 # The one intended circle: kernels register themselves in the registry, which imports them.
