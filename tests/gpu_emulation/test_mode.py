@@ -127,7 +127,6 @@ def test_gpt_layer_and_collectives_under_the_mode():
         assert r["cpu_s"] < 0.25 * r["modelled_s"], r
     assert results[0]["issue_modelled_ms"] >= 600 and results[1]["issue_modelled_ms"] == 0
     assert results[1]["allreduce_s"] >= 0.55, results[1]["allreduce_s"]
-    assert results[0]["allreduce_s"] < 0.3, results[0]["allreduce_s"]
     ms0, one0, slowed0, n0 = results[0]["slowdown"]
     ms1, one1, slowed1, n1 = results[1]["slowdown"]
     assert (slowed0, n0) == (0, 1) and ms0 == pytest.approx(one0)
