@@ -1,0 +1,208 @@
+"""Kernel time model: how long a GPU kernel of any shape takes, fitted to a profile file.
+
+The profile (`profiler/profile_file.py`, `dhelix profile --comp-only`) times whole operators
+at one layer shape. From its solo entries this module fits, per kernel class:
+
+- GEMM: achieved TFLOP/s per phase ("fwd" x @ W^T, "dgrad" g @ W, "wgrad" g^T @ x) as a
+  function of the GEMM's FLOPs (2mnk), interpolated linearly in log(FLOPs) between the
+  profile's shapes and clamped outside them; "any" pools every phase (batched GEMMs).
+- memory-bound: achieved bandwidth (bytes per ms) of the profile's norm entries ("norm") and
+  element-wise entries ("elementwise"), from the nominal bytes each operator must move
+  (`nominal_bytes`: inputs read once, outputs written once).
+- attention: FLOPs per ms of the profile's own attention entries ("unfused" fwd / bwd) and a
+  stated rate for a fused SDPA kernel (`sdpa_tflops`, default the H100 measurement in
+  DESIGN.md: 1.26 ms fwd+bwd at s=4096, 32 heads, d=128, causal = 382 TFLOP/s).
+
+Every kernel costs at least `min_kernel_ms` (launch latency). The profile's own shapes get
+back their measured times (GEMM: exactly, per phase; memory-bound: within the spread of the
+class's entries). Rates apply to any dtype (the profile's dtype is recorded in `dtype`).
+Pure: no torch, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from profiler.profile_file import Profile
+
+GEMM_PHASES = ("fwd", "dgrad", "wgrad")
+ATTENTION_KERNELS = ("unfused", "sdpa")
+# H100 bf16 SDPA at s=4096, b=1, 32 heads, d=128, causal: 1.26 ms fwd+bwd (DESIGN.md).
+H100_SDPA_TFLOPS = 382.0
+_KEY = re.compile(r"^(?P<op>[a-z_]+)\.(?P<phase>[a-z]+)\((?P<dims>[^)]*)\)/(?P<dtype>\w+)$")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """A parsed compute cost key `op.phase(k=v,...)/dtype` (dims as ints)."""
+
+    op: str
+    phase: str
+    dims: dict
+    dtype: str
+
+
+def parse_cost_key(key: str) -> CostKey | None:
+    """The parts of a compute cost key; None for a communication key (`.../g<n>/<channel>`)
+    or any key not of that form."""
+    match = _KEY.match(key)
+    if match is None:
+        return None
+    dims = {}
+    for item in filter(None, match["dims"].split(",")):
+        name, _, value = item.partition("=")
+        try:
+            dims[name] = int(value)
+        except ValueError:
+            return None
+    return CostKey(match["op"], match["phase"], dims, match["dtype"])
+
+
+def attention_flops(s: int, b: int, heads: int, d: int, causal: bool, phase: str) -> float:
+    """Useful FLOPs of core attention (QK^T and PV; backward 2.5x forward; causal halves)."""
+    forward = 4.0 * b * heads * s * s * d * (0.5 if causal else 1.0)
+    if phase == "fwd":
+        return forward
+    if phase == "bwd":
+        return 2.5 * forward
+    raise ValueError(f"error: attention phase must be 'fwd' or 'bwd', got {phase!r}")
+
+
+def nominal_bytes(key: CostKey) -> int | None:
+    """Bytes a memory-bound profile operator must move (each input read once, each output
+    written once), or None for an operator this model does not know."""
+    elt = _DTYPE_BYTES.get(key.dtype)
+    d = key.dims
+    if elt is None:
+        return None
+    if key.op == "rms_norm" or key.op == "layer_norm":
+        tokens = d["s"] * d["b"] * d["h"]
+        return elt * tokens * (2 if key.phase == "fwd" else 3)  # x->y ; dy,x->dx
+    if key.op == "bias_dropout_add":
+        return elt * d["s"] * d["b"] * d["h"] * 3  # x,residual->y ; dy->dx,dresidual
+    if key.op == "swiglu":
+        full = d["s"] * d["b"] * d["f"]  # f: the fused gate+up width; output is f/2
+        return int(elt * full * (1.5 if key.phase == "fwd" else 2.5))
+    return None
+
+
+def _interpolate(points: tuple, flops: float) -> float:
+    """TFLOP/s at `flops` from sorted (flops, tflops) points, linear in log(flops), clamped."""
+    if flops <= points[0][0]:
+        return points[0][1]
+    if flops >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= flops <= x1:
+            w = (math.log(flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    raise AssertionError("unreachable: points are sorted")
+
+
+@dataclass(frozen=True)
+class KernelTimeModel:
+    """Fitted rates. `gemm[phase]`: sorted ((flops, tflops), ...); `bandwidth[cls]`: bytes
+    per ms; `attention[(kernel, phase)]`: FLOPs per ms; `fitted_from`: the solo keys used."""
+
+    gemm: dict
+    bandwidth: dict
+    attention: dict
+    dtype: str
+    min_kernel_ms: float = 0.004
+    fitted_from: tuple = field(default_factory=tuple)
+
+    def gemm_ms(self, m: int, n: int, k: int, *, batch: int = 1, phase: str = "any") -> float:
+        """Time of `batch` (m x k) @ (k x n) GEMMs of the given phase's curve."""
+        if phase not in self.gemm:
+            raise ValueError(f"error: GEMM phase {phase!r} not in the model ({sorted(self.gemm)})")
+        flops = 2.0 * m * n * k * batch
+        if flops == 0:
+            return self.min_kernel_ms
+        tflops = _interpolate(self.gemm[phase], flops)
+        return max(self.min_kernel_ms, flops / (tflops * 1e9))
+
+    def memory_ms(self, nbytes: float, cls: str = "elementwise") -> float:
+        """Time to move `nbytes` at the achieved bandwidth of class `cls`."""
+        if cls not in self.bandwidth:
+            raise ValueError(f"error: memory class {cls!r} not in the model ({sorted(self.bandwidth)})")
+        return max(self.min_kernel_ms, nbytes / self.bandwidth[cls])
+
+    def attention_ms(self, s: int, b: int, heads: int, d: int, *, causal: bool, phase: str,
+                     kernel: str = "unfused") -> float:
+        """Core attention time (`kernel` "unfused": the profile's own; "sdpa": fused)."""
+        rate = self.attention.get((kernel, phase))
+        if rate is None:
+            raise ValueError(f"error: no attention rate for kernel {kernel!r}, phase {phase!r}")
+        return max(self.min_kernel_ms, attention_flops(s, b, heads, d, causal, phase) / rate)
+
+    def solo_ms(self, cost_key: str) -> float:
+        """The modelled time of one of the profile's own operators (for checking the fit)."""
+        key = parse_cost_key(cost_key)
+        if key is None:
+            raise ValueError(f"error: {cost_key!r} is not a compute cost key")
+        d = key.dims
+        if key.op == "linear":
+            return self.gemm_ms(d["m"], d["n"], d["k"], phase=key.phase)
+        if key.op == "attention":
+            return self.attention_ms(d["s"], d["b"], d["heads"], d["d"],
+                                     causal=bool(d.get("causal", 0)), phase=key.phase)
+        nbytes = nominal_bytes(key)
+        if nbytes is None:
+            raise ValueError(f"error: the model has no term for {cost_key!r}")
+        return self.memory_ms(nbytes, "norm" if key.op.endswith("norm") else "elementwise")
+
+
+def fit_kernel_model(profile: Profile, *, sdpa_tflops: float = H100_SDPA_TFLOPS,
+                     min_kernel_ms: float = 0.004) -> KernelTimeModel:
+    """Fit a `KernelTimeModel` to the profile's solo entries. Raises ValueError (`error: ...`)
+    when the profile lacks a GEMM, a norm, an element-wise or an attention entry (each class
+    needs one to be fitted), or mixes dtypes."""
+    gemm: dict = {phase: {} for phase in GEMM_PHASES}
+    moved: dict = {"norm": [], "elementwise": []}
+    attention: dict = {}
+    dtypes, used = set(), []
+    for name, ms in profile.solo.items():
+        key = parse_cost_key(name)
+        if key is None:
+            continue
+        d = key.dims
+        if key.op == "linear" and key.phase in GEMM_PHASES:
+            flops = 2.0 * d["m"] * d["n"] * d["k"]
+            gemm[key.phase].setdefault(flops, []).append(flops / ms / 1e9)
+        elif key.op == "attention":
+            flops = attention_flops(d["s"], d["b"], d["heads"], d["d"],
+                                    bool(d.get("causal", 0)), key.phase)
+            attention.setdefault(("unfused", key.phase), []).append(flops / ms)
+        elif (nbytes := nominal_bytes(key)) is not None:
+            moved["norm" if key.op.endswith("norm") else "elementwise"].append((nbytes, ms))
+        else:
+            continue
+        dtypes.add(key.dtype)
+        used.append(name)
+    if len(dtypes) > 1:
+        raise ValueError(f"error: the profile mixes dtypes {sorted(dtypes)}; fit one dtype's entries")
+    pooled: dict = {}
+    for phase in GEMM_PHASES:
+        for flops, rates in gemm[phase].items():
+            pooled.setdefault(flops, []).extend(rates)
+    gemm["any"] = pooled
+    missing = [f"GEMM ({p})" for p in ("any",) if not gemm[p]]
+    missing += [f"{c} entry" for c, entries in moved.items() if not entries]
+    missing += [f"attention {p}" for p in ("fwd", "bwd") if ("unfused", p) not in attention]
+    if missing:
+        raise ValueError(f"error: the profile has no {', '.join(missing)}; profile a full "
+                         "layer (`dhelix profile --comp-only`)")
+    curves = {phase: tuple(sorted((f, sum(r) / len(r)) for f, r in table.items()))
+              for phase, table in gemm.items() if table}
+    for phase in GEMM_PHASES:
+        curves.setdefault(phase, curves["any"])
+    bandwidth = {cls: sum(b for b, _ in e) / sum(ms for _, ms in e) for cls, e in moved.items()}
+    rates = {k: sum(v) / len(v) for k, v in attention.items()}
+    for phase in ("fwd", "bwd"):
+        rates[("sdpa", phase)] = sdpa_tflops * 1e9
+    return KernelTimeModel(gemm=curves, bandwidth=bandwidth, attention=rates,
+                           dtype=dtypes.pop(), min_kernel_ms=min_kernel_ms,
+                           fitted_from=tuple(sorted(used)))

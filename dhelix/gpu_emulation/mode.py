@@ -1,0 +1,194 @@
+"""`GpuEmulationMode`: run real PyTorch code (Megatron's modules, dhelix's operators) as if its
+compute kernels ran on a GPU, taking the time a `KernelTimeModel` gives them, asleep.
+
+Under the mode every aten compute operator (`aten_costs.classify`) is not computed: its
+output's shape, strides and dtype come from running it on meta tensors, and the caller gets
+`torch.empty_strided` tensors of that layout on the operator's device (never-touched pages
+cost no memory; their values are garbage, so the mode is TIMING ONLY: numerics stay in the
+parity tests). An in-place compute operator (`add_`, `copy_`, out=) is charged and skipped:
+its mutated arguments are returned (their version counters were already bumped by autograd's
+in-place key above this mode). Views, metadata changes, factory ops, host reads and every
+operator whose tensors all have at most `cheap_numel` elements run for real, so autograd,
+losses read with `.item()` and small bookkeeping keep working. An operator meta cannot run
+(data-dependent output shape) also runs for real, and is charged.
+
+Time: the mode keeps a stream clock like a CUDA stream. A kernel starts at max(now, the end
+of the previous kernel) and ends `modelled ms x time_scale` later (x (1 + overlap_slowdown)
+while an async collective issued under the mode is still in flight); the host runs ahead
+without waiting. The host waits (sleeps, GIL released, no core held) until the stream is
+drained only where a GPU program would: before a collective is issued (its inputs must be
+computed: c10d and functional collectives are dispatched operators), before a host read
+(`.item()`), and at `synchronize()` / leaving the mode. `Work.wait()` is not a dispatched
+operator and needs no flush: on a GPU it orders only the kernels issued after it, which the
+stream clock starts after the wait returned. Collectives themselves run for real.
+
+Ownership: outputs are new tensors owned by the caller, on the device of the operator's first
+tensor argument; the mode keeps no tensor (only the Work handles of in-flight collectives,
+until they complete). One mode per thread; autograd's backward on CPU runs on the calling
+thread and so under the same mode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch._C._distributed_c10d import Work
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from dhelix.bench.link_floor import _works
+from dhelix.gpu_emulation.aten_costs import (
+    classify, is_communication, is_host_sync, is_inplace, kernel_ms, op_name)
+from dhelix.gpu_emulation.kernel_model import KernelTimeModel
+
+# DHelix paper, Table 7: concurrent compute and communication kernels run 20-30% slower on H100.
+H100_OVERLAP_SLOWDOWN = 0.25
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    """`time_scale` S: every modelled kernel time is multiplied by S (divide the link rate by
+    the same S to keep the GPU cluster's compute/communication ratio); `overlap_slowdown`:
+    a kernel that runs while a collective is in flight takes (1 + this) x its time;
+    `cheap_numel`: operators whose tensors all have at most this many elements run for real."""
+
+    time_scale: float = 1.0
+    overlap_slowdown: float = H100_OVERLAP_SLOWDOWN
+    cheap_numel: int = 4096
+
+    def __post_init__(self):
+        if not self.time_scale > 0:
+            raise ValueError(f"error: time_scale must be > 0, got {self.time_scale}")
+        if not self.overlap_slowdown >= 0:
+            raise ValueError(f"error: overlap_slowdown must be >= 0, got {self.overlap_slowdown}")
+        if self.cheap_numel < 0:
+            raise ValueError(f"error: cheap_numel must be >= 0, got {self.cheap_numel}")
+
+
+@dataclass(frozen=True)
+class TermTotal:
+    """Kernels charged to one term: how many, their modelled ms (unscaled, slowdown
+    included) and how many ran beside a collective in flight."""
+
+    count: int
+    modelled_ms: float
+    slowed: int
+
+
+@dataclass(frozen=True)
+class EmulationReport:
+    """What the mode charged: `modelled_ms` (unscaled, sum over kernels), `by_term` (gemm.fwd,
+    memory.norm, attention.sdpa.bwd, ...), `by_op` (aten operator names), `slept_s` (seconds
+    the host slept waiting for the stream), `collectives` issued, `ran_for_real` compute ops
+    that meta could not run."""
+
+    modelled_ms: float
+    by_term: dict
+    by_op: dict
+    slept_s: float
+    collectives: int
+    ran_for_real: int
+
+
+def _unboxed(work):
+    """The Python `Work` of a dispatched collective's result (a TorchScript object there)."""
+    return work if isinstance(work, Work) else Work.unbox(work)
+
+
+def _meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+class GpuEmulationMode(TorchDispatchMode):
+    """See the module docstring. `report()` at any time; `synchronize()` drains the stream."""
+
+    def __init__(self, model: KernelTimeModel, config: EmulationConfig = EmulationConfig()):
+        super().__init__()
+        self.model = model
+        self.config = config
+        self._stream_end = 0.0
+        self._in_flight: list = []
+        self._terms: dict = {}
+        self._ops: dict = {}
+        self._slept = 0.0
+        self._collectives = 0
+        self._ran_for_real = 0
+
+    # -- time ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Sleep until every kernel charged so far has ended (host = stream)."""
+        start = time.perf_counter()
+        while (left := self._stream_end - time.perf_counter()) > 0:
+            time.sleep(left)
+        self._slept += time.perf_counter() - start
+
+    def _charge(self, term: str, name: str, ms: float) -> None:
+        self._in_flight = [w for w in self._in_flight if not w.is_completed()]
+        slowed = bool(self._in_flight)
+        if slowed:
+            ms *= 1.0 + self.config.overlap_slowdown
+        now = time.perf_counter()
+        self._stream_end = max(now, self._stream_end) + ms * self.config.time_scale / 1000.0
+        for table, key in ((self._terms, term), (self._ops, name)):
+            count, total, n_slowed = table.get(key, (0, 0.0, 0))
+            table[key] = (count + 1, total + ms, n_slowed + slowed)
+
+    def report(self) -> EmulationReport:
+        def totals(table):
+            return {k: TermTotal(*v) for k, v in sorted(table.items())}
+        return EmulationReport(
+            modelled_ms=sum(v[1] for v in self._terms.values()), by_term=totals(self._terms),
+            by_op=totals(self._ops), slept_s=self._slept, collectives=self._collectives,
+            ran_for_real=self._ran_for_real)
+
+    def __exit__(self, *exc):
+        try:
+            self.synchronize()
+        finally:
+            return super().__exit__(*exc)
+
+    # -- dispatch -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_communication(func):
+            self.synchronize()
+            result = func(*args, **kwargs)
+            self._collectives += 1
+            self._in_flight += [_unboxed(w) for w in _works(result)]
+            return result
+        if classify(func, args, kwargs) == "real":
+            if is_host_sync(func):
+                self.synchronize()
+            return func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if all(t.numel() <= self.config.cheap_numel for t in tensors):
+            out = func(*args, **kwargs)
+        elif is_inplace(func):
+            out = self._mutated(func, args, kwargs)
+        else:
+            out = self._fake_outputs(func, args, kwargs, tensors[0].device)
+        term, ms = kernel_ms(self.model, func, args, kwargs, out)
+        self._charge(term, op_name(func), ms)
+        return out
+
+    def _mutated(self, func, args, kwargs):
+        """What an in-place operator returns: its written arguments, in schema order."""
+        schema = func._schema
+        by_name = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+        written = [by_name[a.name] for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        return written[0] if len(schema.returns) == 1 else tuple(written)
+
+    def _fake_outputs(self, func, args, kwargs, device):
+        try:
+            meta_out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+        except (NotImplementedError, RuntimeError):
+            self._ran_for_real += 1
+            return func(*args, **kwargs)
+        return tree_map(
+            lambda o: torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device)
+            if isinstance(o, torch.Tensor) else o, meta_out)

@@ -1,0 +1,155 @@
+"""`GpuEmulationMode` on real megatron-core code and real gloo ranks (one launch, 2 ranks):
+
+- a megatron-core GPT layer (local spec, RMSNorm, SwiGLU, GQA, no bias; small shapes, CPU)
+  runs forward and backward under the mode with correct output and gradient shapes; its
+  wall time follows the model (modelled x S <= wall <= modelled x S + 1.5 s of host time)
+  while the process's CPU time stays below a quarter of the modelled time (no core held);
+- the stream is drained before a collective is issued: rank 0 charges 0.6 s of kernels and
+  then all-reduces; rank 1, whose stream is empty, waits for it in that all-reduce;
+- kernels charged while an async collective is in flight cost (1 + overlap_slowdown) x, and
+  no more once it completed.
+Plus single-process checks of the dispatch rules (fake outputs, in-place skip, real small ops).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dhelix.harness import run_megatron_ranks
+
+H100_PROFILE = Path("/work/shared/measurements/h100_llama8b_layer_comp_only_profile.json")
+SCALE = 5000.0
+pytestmark = pytest.mark.skipif(not H100_PROFILE.exists(), reason="needs the shared H100 profile")
+
+
+def _mode(scale=SCALE, slowdown=0.25):
+    from dhelix.gpu_emulation.kernel_model import fit_kernel_model
+    from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
+    from profiler.profile_file import load_profile
+
+    model = fit_kernel_model(load_profile(H100_PROFILE))
+    return GpuEmulationMode(model, EmulationConfig(time_scale=scale, overlap_slowdown=slowdown))
+
+
+def _gpt_layer():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8,
+        num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    return build_module(get_gpt_layer_local_spec(normalization="RMSNorm"), config=config,
+                        layer_number=1)
+
+
+def _layer_and_collectives(ctx):
+    import time
+
+    import torch.distributed as dist
+
+    out = {}
+    layer = _gpt_layer()
+    x = torch.randn(256, 2, 512, requires_grad=True)
+    mode = _mode()
+    with mode:  # warm-up pass: first-call costs of torch and Megatron are host time
+        y, _ = layer(x)
+        y.sum().backward()
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    mode = _mode()
+    wall, cpu = time.perf_counter(), time.process_time()
+    with mode:
+        y, _ = layer(x)
+        y.sum().backward()
+    out["wall_s"], out["cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
+    report = mode.report()
+    out["modelled_s"] = report.modelled_ms * SCALE / 1000
+    out["terms"] = {k: v.count for k, v in report.by_term.items()}
+    out["shapes"] = (tuple(y.shape), tuple(x.grad.shape))
+    out["grads"] = {n: (tuple(p.shape), None if p.grad is None else tuple(p.grad.shape))
+                    for n, p in layer.named_parameters()}
+
+    # flush before a collective: rank 0 owes 0.6 s of kernels when it all-reduces
+    dist.barrier()
+    big = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    mode = _mode(scale=1.0)
+    n_mm = 0
+    with mode:
+        if ctx.rank == 0:
+            while mode.report().modelled_ms < 600:
+                big @ big
+                n_mm += 1
+        start = time.perf_counter()
+        dist.all_reduce(torch.ones(8))
+        out["allreduce_s"] = time.perf_counter() - start
+        out["issue_modelled_ms"] = mode.report().modelled_ms
+
+    # slowdown while an async collective is in flight (rank 0 joins it 0.5 s late)
+    dist.barrier()
+    if ctx.rank == 0:
+        time.sleep(0.5)
+    mode = _mode(scale=1.0, slowdown=0.25)
+    one = mode.model.gemm_ms(4096, 4096, 4096, phase="dgrad")
+    with mode:
+        work = dist.all_reduce(torch.ones(8), async_op=True)
+        if ctx.rank == 1:
+            big @ big  # in flight: rank 0 has not joined
+        work.wait()
+        big @ big      # completed
+    report = mode.report()
+    out["slowdown"] = (report.by_term["gemm.dgrad"].modelled_ms, one,
+                       report.by_term["gemm.dgrad"].slowed, report.collectives)
+    return out
+
+
+def test_gpt_layer_and_collectives_under_the_mode():
+    results = run_megatron_ranks(_layer_and_collectives, 2, timeout_s=240,
+                                 env={"OMP_NUM_THREADS": "1"})
+    print({k: v for k, v in results[0].items() if k != "grads"})
+    print({k: v for k, v in results[1].items() if k != "grads"})
+    for rank, r in enumerate(results):
+        assert r["shapes"] == ((256, 2, 512), (256, 2, 512))
+        for name, (shape, grad) in r["grads"].items():
+            assert grad == shape, name
+        # torch's RMSNorm reaches the dispatcher as element-wise kernels on CPU (no memory.norm)
+        assert {"gemm.fwd", "gemm.dgrad", "gemm.wgrad", "gemm.batched",
+                "memory.elementwise"} <= set(r["terms"]), r["terms"]
+        assert 2.0 < r["modelled_s"], r  # the check below is not dominated by host time
+        assert r["modelled_s"] * 0.99 <= r["wall_s"] <= r["modelled_s"] + 1.5, r
+        assert r["cpu_s"] < 0.25 * r["modelled_s"], r
+    assert results[0]["issue_modelled_ms"] >= 600 and results[1]["issue_modelled_ms"] == 0
+    assert results[1]["allreduce_s"] >= 0.55, results[1]["allreduce_s"]
+    ms0, one0, slowed0, n0 = results[0]["slowdown"]
+    ms1, one1, slowed1, n1 = results[1]["slowdown"]
+    assert (slowed0, n0) == (0, 1) and ms0 == pytest.approx(one0)
+    assert (slowed1, n1) == (1, 1) and ms1 == pytest.approx(one1 * 2.25)
+
+
+def test_dispatch_rules_in_one_process():
+    mode = _mode(scale=1.0)
+    a = torch.randn(256, 128)
+    w = torch.randn(64, 128)
+    small = torch.arange(6.0)
+    before = w.clone()
+    with mode:
+        y = a @ w.t()                 # compute: fake output of the right layout
+        w.add_(1.0)                   # in-place compute: skipped, charged
+        s = (small * 2).sum().item()  # cheap: real
+        v = a.view(128, 256)          # view: real
+    assert y.shape == (256, 64) and y.dtype == a.dtype and y.device == a.device
+    assert torch.equal(w, before) and w._version == 1
+    assert s == 30.0 and v.data_ptr() == a.data_ptr()
+    terms = mode.report().by_term
+    assert terms["gemm.fwd"].count == 1 and "view" not in mode.report().by_op
+    assert mode.report().by_op["add_"].count == 1
+    from dhelix.gpu_emulation.mode import EmulationConfig
+    with pytest.raises(ValueError, match="error: time_scale"):
+        EmulationConfig(time_scale=0)
