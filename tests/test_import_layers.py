@@ -42,6 +42,7 @@ LAYERS = (
               "dhelix.file_formats", "dhelix.dag", "dhelix.topology", "dhelix.run_fingerprint",
               "dhelix.input_checks", "dhelix.arguments", "dhelix.folding", "dhelix.rank_errors",
               "dhelix.divergence", "dhelix.memory", "dhelix.cluster", "dhelix.devices",
+              "dhelix.c10d_ops",
               "profiler.profile_file", "profiler.fingerprint", "planner.plan"),)),
     Layer("engine: megatron-core adapters and shims, process groups, checkpoints, data", ((
         "megatron_patches", "dhelix.parallel", "dhelix.harness", "dhelix.stall",
@@ -52,7 +53,8 @@ LAYERS = (
               "dhelix.ops", "dhelix.schedules", "dhelix.runtime.lanes",
               "dhelix.runtime.strand_executor", "dhelix.runtime.timeline",
               "dhelix.runtime.layer_runner", "dhelix.runtime.forward_step_capture",
-              "dhelix.runtime.operator_passes", "dhelix.runtime.intra_batch_passes"),)),
+              "dhelix.runtime.operator_passes", "dhelix.runtime.intra_batch_passes",
+              "dhelix.gpu_emulation"),)),
     Layer("profile | plan", (("profiler",), ("planner",))),
     Layer("run: the DHelix schedules built from a plan, the trainer", ((
         "dhelix.runtime", "dhelix.training"),)),

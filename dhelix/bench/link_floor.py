@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dhelix.c10d_ops import work_handles
+
 _NOT_REPLAYED = ("send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_")
 
 
@@ -95,17 +97,6 @@ def record_collectives(fn):
     return result, recorder.collectives, recorder.skipped
 
 
-def _works(result) -> list:
-    """The Work handles in a c10d operator's result (e.g. (tensors, work))."""
-    found = []
-    for item in (result if isinstance(result, (list, tuple)) else (result,)):
-        if isinstance(item, (list, tuple)):
-            found += _works(item)
-        elif hasattr(item, "wait") and not isinstance(item, torch.Tensor):
-            found.append(item)
-    return found
-
-
 def replay(collectives: list, all_at_once: bool) -> float:
     """Seconds to issue `collectives` again on their groups and see every one finish (this
     rank's clock, from the first issue to the last wait). Collective: every rank of the
@@ -114,7 +105,7 @@ def replay(collectives: list, all_at_once: bool) -> float:
     start = time.perf_counter()
     pending = []
     for op, args, kwargs in calls:
-        works = _works(op(*args, **kwargs))
+        works = work_handles(op(*args, **kwargs))
         if all_at_once:
             pending += works
         else:

@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import Work
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dhelix.bench.link_floor import _works
+from dhelix.c10d_ops import work_handles
 from dhelix.gpu_emulation.aten_costs import (
     classify, is_communication, is_host_sync, is_inplace, kernel_ms, op_name)
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
@@ -158,7 +158,7 @@ class GpuEmulationMode(TorchDispatchMode):
             self.synchronize()
             result = func(*args, **kwargs)
             self._collectives += 1
-            self._in_flight += [_unboxed(w) for w in _works(result)]
+            self._in_flight += [_unboxed(w) for w in work_handles(result)]
             return result
         if classify(func, args, kwargs) == "real":
             if is_host_sync(func):

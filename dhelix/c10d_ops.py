@@ -1,0 +1,18 @@
+"""What torch's c10d operators (the dispatched collectives: `c10d.allreduce_`, ...) hand
+back, for code that watches them under a dispatch mode (`dhelix.bench.link_floor`,
+`dhelix.gpu_emulation.mode`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def work_handles(result) -> list:
+    """The Work handles in a c10d operator's result (e.g. (tensors, work)), in order."""
+    found = []
+    for item in (result if isinstance(result, (list, tuple)) else (result,)):
+        if isinstance(item, (list, tuple)):
+            found += work_handles(item)
+        elif hasattr(item, "wait") and not isinstance(item, torch.Tensor):
+            found.append(item)
+    return found
