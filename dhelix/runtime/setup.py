@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dhelix.dag import save_dag
 from dhelix.ops.runner import BoundLayer
-from dhelix.options import DOMINO, SEQUENTIAL, DHelixRun
+from dhelix.options import SEQUENTIAL, DHelixOptions, DHelixRun
 from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.intra_batch_passes import IntraBatchPasses
@@ -143,7 +143,7 @@ def run_dag_dir(plan_path) -> Path:
     return plan_path.parent / f"{plan_path.stem}-dags"
 
 
-def _load_run_plan(options, expected: dict, fwd, bwd):
+def _load_run_plan(options: DHelixOptions, expected: dict, fwd, bwd):
     """`--dhelix-plan`, checked against this run. On a mismatch the error's `dhelix plan`
     command reads this run's DAGs (written to `run_dag_dir` now, by every rank: identical
     files, atomic writes, and no rank waits for another), this run's fingerprints and
@@ -204,7 +204,7 @@ def _resolve_plan(run: DHelixRun, fwd, bwd):
     return plan, source, costs
 
 
-def plan_seam(options, plan, dags) -> Seam | None:
+def plan_seam(options: DHelixOptions, plan, dags) -> Seam | None:
     """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
     or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
     reference row co-executes nothing), or where the plan has no seam."""
