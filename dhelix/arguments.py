@@ -26,13 +26,11 @@ from dhelix.input_checks import (  # ArgumentError is re-exported: callers impor
     check_writable_dir,
     check_writable_file,
 )
+from dhelix.options import ATTENTION_CHOICES, PAIRERS, DHelixRun, run_from_args
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # A stalled rank fails the job within a minute on dhelix's small runs (Megatron: 10).
 DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 0.75
-# --dhelix-attention: megatron-core's DotProductAttention or torch SDPA
-# (megatron_patches.sdpa_attention)
-ATTENTION_CHOICES = ("megatron", "sdpa")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +120,7 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                    help="plan file (dhelix plan ...); default: build one at start-up")
     g.add_argument("--dhelix-profile", type=str, default=None,
                    help="profile to plan from (dhelix profile ...); default: analytic costs")
-    g.add_argument("--dhelix-pairer", choices=["dp", "sequential", "round_robin", "domino"],
+    g.add_argument("--dhelix-pairer", choices=PAIRERS,
                    default="dp",
                    help="how operators are paired (default dp): dp|sequential|round_robin pair "
                         "one micro-batch's forward with another's backward (DHelix and its "
@@ -362,18 +360,18 @@ def validate_args(ns: argparse.Namespace, world_size: int) -> None:
     if ns.data_path is not None and ns.vocab_size < 257:
         raise ArgumentError(f"--vocab-size {ns.vocab_size} is too small for --data-path (byte "
                             "tokens 0-255 and end-of-document need 257); drop --vocab-size")
-    if ns.dhelix and pp > 1 and ns.num_layers % (2 * pp) != 0:
-        raise ArgumentError(
-            f"--dhelix with --pipeline-model-parallel-size {pp} folds the layers into a U "
-            f"(two chunks per stage): --num-layers {ns.num_layers} must be a multiple of "
-            f"2 x {pp} = {2 * pp}")
-    if ns.dhelix_commfree_timing_only and not ns.dhelix:
-        raise ArgumentError("--dhelix-commfree-timing-only needs --dhelix (it is the "
-                            "benchmark's timing-only bound on the operator programs)")
-    check_path_args(ns)
-    _validate_fault_tolerance_args(ns)
     ns.data_parallel_size = dp
     ns.num_microbatches = ns.global_batch_size // per_step
+    trainer_run(ns)  # the --dhelix rules (dhelix.options.check_run)
+    check_path_args(ns)
+    _validate_fault_tolerance_args(ns)
+
+
+def trainer_run(ns: argparse.Namespace) -> DHelixRun:
+    """The typed run (`dhelix.options.DHelixRun`) of a namespace `parse_args` returned;
+    raises `OptionError` (an `ArgumentError`) for an unsupported `--dhelix` run."""
+    return run_from_args(ns, add_bias_linear=not ns.disable_bias_linear,
+                         num_query_groups=ns.num_query_groups, vocab_size=ns.vocab_size)
 
 
 def check_path_args(ns: argparse.Namespace) -> None:

@@ -58,10 +58,6 @@ def _refusals(args):
     yield (pp > 1 and _arg(args, "calculate_per_token_loss", False),
            "--dhelix with --pipeline-model-parallel-size > 1 does not support "
            "--calculate-per-token-loss; drop it")
-    yield (args.hidden_dropout or args.attention_dropout,
-           "--dhelix needs --hidden-dropout 0 --attention-dropout 0 (two interleaved strands "
-           "would draw dropout masks in a different order than Megatron; Megatron's default "
-           "is 0.1)")
     yield (_arg(args, "mtp_num_layers"),
            "--dhelix does not support multi-token prediction (--mtp-num-layers); drop it")
     yield (_arg(args, "use_torch_fsdp2", False) or _arg(args, "use_megatron_fsdp", False),
@@ -84,17 +80,17 @@ def _has_transformer_engine() -> bool:
     return has_transformer_engine()
 
 
-def check_plugin_args(args) -> None:
+def check_plugin_args(args, dhelix_refusals: bool = True) -> None:
     """Raise `UnsupportedArgument` for the first problem of a plugin run's arguments, with
     or without `--dhelix`: `--dhelix-plan`/`--dhelix-profile` without `--dhelix`, missing,
     not a file, unreadable, corrupt or of another format version
-    (`dhelix.input_checks.check_dhelix_files`); with `--dhelix`, every refusal of
-    `check_dhelix_args` and a `--num-layers` the folded model cannot split
-    (`dhelix.folding.FoldedLayout`)."""
+    (`dhelix.input_checks.check_dhelix_files`); with `--dhelix` and `dhelix_refusals`,
+    every refusal of `check_dhelix_args` and a `--num-layers` the folded model cannot split
+    (`dhelix.folding.FoldedLayout`: before Megatron's own layer assertions)."""
     from dhelix.folding import FoldedLayout, FoldingError, uses_folded_model
     from dhelix.input_checks import ArgumentError, check_dhelix_files
 
-    if args.dhelix:
+    if args.dhelix and dhelix_refusals:
         check_dhelix_args(args)
         if uses_folded_model(args):
             try:
@@ -111,9 +107,11 @@ def check_plugin_args(args) -> None:
 def check_dhelix_args(args) -> None:
     """Raise `UnsupportedArgument` for the first Megatron argument `--dhelix` cannot honour
     (virtual pipelining, uneven pipeline stages, recomputation, fp16/fp8/fp4, MoE/expert
-    parallelism, context parallelism, dropout, multi-token prediction, FSDP, TE's TP
+    parallelism, context parallelism, multi-token prediction, FSDP, TE's TP
     overlap, reset attention masks, Transformer Engine layers; with PP > 1 also overlapped
-    gradient reduction and per-token loss); return None when the run is supported."""
+    gradient reduction and per-token loss); return None when the run is supported.
+    Dropout, layer counts and the `--dhelix*` options are checked on the typed run
+    (`dhelix.options.check_run`)."""
     for refused, message in _refusals(args):
         if refused:
             raise UnsupportedArgument(message)

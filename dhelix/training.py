@@ -138,9 +138,10 @@ class Trainer:
                       dataset=build_train_dataset(args))
         trainer.forward_backward_func = get_forward_backward_func()
         if getattr(args, "dhelix", False):
+            from dhelix.arguments import trainer_run
             from dhelix.runtime.setup import setup_dhelix
 
-            trainer.dhelix = setup_dhelix(args, model, job, lane_pool=lane_pool)
+            trainer.dhelix = setup_dhelix(trainer_run(args), model, job, lane_pool=lane_pool)
             trainer.forward_backward_func = trainer.dhelix.forward_backward_func
         return trainer
 

@@ -38,7 +38,7 @@ from megatron.core.utils import divide
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dhelix.arguments import ATTENTION_CHOICES
+from dhelix.options import ATTENTION_CHOICES
 
 
 

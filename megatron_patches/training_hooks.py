@@ -13,7 +13,10 @@
    exists, the arguments are checked (`dhelix.megatron_lm_checks.check_plugin_args`): an
    argument the DHelix runtime cannot honour, a `--dhelix-plan`/`--dhelix-profile` file that
    is missing, corrupt or of another version, or one given without `--dhelix`, stops the run
-   with one `error: ...` line naming it (exit code 2).
+   with one `error: ...` line naming it (exit code 2). After Megatron's `validate_args` the
+   typed run is built and checked once (`megatron_patches.run_options`; with
+   `--use-checkpoint-args` the `--dhelix` refusals wait for it, to see the checkpoint's
+   values).
 2. The folded model (`--dhelix` with PP > 1, see `megatron_patches.folded_model`):
    Megatron's parallel state gets the folded embedding group (first stage only), and
    `GPTModelBuilder.build_model` (the model-config path of `pretrain`, Megatron-LM 0.19's
@@ -28,7 +31,7 @@
 4. The forward/backward function (`megatron.training.training.get_forward_backward_func`,
    imported by name and called by `train()` and `evaluate()`): with `--dhelix` it returns
    the DHelix schedule built for the model `setup_model_and_optimizer` returned
-   (`dhelix.runtime.setup.setup_dhelix`); Megatron's no_sync / grad-sync / param-sync /
+   (`dhelix.runtime.setup.setup_dhelix`, from the typed run); Megatron's no_sync / grad-sync / param-sync /
    finalize hooks reach it through the model config, as they reach Megatron's schedules.
 
 4. Core attention (`megatron.training.models.gpt.default_layer_spec`, called by
@@ -86,8 +89,10 @@ def _hook_parse_args(arguments) -> None:
         _check_attention(args)
         from dhelix.megatron_lm_checks import UnsupportedArgument, check_plugin_args
 
+        # with --use-checkpoint-args the --dhelix refusals see the checkpoint's values, once
+        # loaded (megatron_patches.run_options)
         try:
-            check_plugin_args(args)
+            check_plugin_args(args, dhelix_refusals=not args.use_checkpoint_args)
         except UnsupportedArgument as exc:
             _fail(str(exc))
         return args
@@ -223,23 +228,6 @@ def _hook_model_builder(gpt_models) -> None:
     gpt_models.GPTModelBuilder.build_distributed_models = build_distributed_models
 
 
-def _dhelix_view(args):
-    """Megatron's args as `dhelix.runtime.setup` (and the plan fingerprints,
-    `dhelix.run_fingerprint`) read them: plus the number of micro-batches, which Megatron
-    keeps elsewhere, `disable_bias_linear` (Megatron stores `add_bias_linear`), and the
-    query-group count resolved as with dhelix's own arguments (heads without GQA)."""
-    import types
-
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-    view = types.SimpleNamespace(**vars(args))
-    view.num_microbatches = get_num_microbatches()
-    view.disable_bias_linear = not args.add_bias_linear
-    if not args.group_query_attention or view.num_query_groups is None:
-        view.num_query_groups = args.num_attention_heads
-    return view
-
-
 def _hook_default_layer_spec(gpt_models) -> None:
     """`--dhelix-attention sdpa`, stock and `--dhelix` alike: the spec Megatron's
     `default_layer_spec` returns (called by `GPTModelBuilder.build_model` and
@@ -272,11 +260,13 @@ def _hook_training(training) -> None:
         megatron_args = _megatron_args()
         if megatron_args.dhelix:
             from dhelix.file_formats import FormatError
+            from dhelix.options import OptionError
             from dhelix.parallel import job_of_megatron_group
             from dhelix.runtime.megatron_training import megatron_forward_backward
             from dhelix.runtime.setup import DHelixSetupError, setup_dhelix
             from megatron_patches.folded_model import FoldedGPTModel
             from megatron_patches.gpt_parts import unwrap_gpt
+            from megatron_patches.run_options import current_run
 
             if _folded(megatron_args) and not isinstance(unwrap_gpt(model[0]), FoldedGPTModel):
                 _fail("--dhelix with --pipeline-model-parallel-size > 1 builds the folded "
@@ -288,8 +278,9 @@ def _hook_training(training) -> None:
             job = job_of_megatron_group(
                 timedelta(minutes=megatron_args.distributed_timeout_minutes))
             try:
-                dhelix_setup = setup_dhelix(_dhelix_view(megatron_args), model, job)
-            except (DHelixSetupError, FormatError) as exc:
+                # the typed run megatron_patches.run_options built after validate_args
+                dhelix_setup = setup_dhelix(current_run(), model, job)
+            except (DHelixSetupError, FormatError, OptionError) as exc:
                 _fail(str(exc))
             _Run.forward_backward = megatron_forward_backward(dhelix_setup, megatron_args)
             if megatron_args.rank == 0:
@@ -312,7 +303,7 @@ def install_training_hooks() -> None:
     """Install the hooks above into megatron.training (idempotent). Must run before the
     pretrain script imports `megatron.training` names it calls (run the script after)."""
     from megatron.core import parallel_state
-    from megatron.training import arguments, training
+    from megatron.training import arguments, checkpointing, training
     from megatron.training.models import gpt as gpt_models
 
     # installed once the last hook, the parser's, is (read off the patch, as
@@ -333,4 +324,8 @@ def install_training_hooks() -> None:
     _hook_model_builder(gpt_models)
     _hook_default_layer_spec(gpt_models)
     _hook_training(training)
+    from megatron_patches.run_options import hook_load_args_from_checkpoint, hook_validate_args
+
+    hook_load_args_from_checkpoint(checkpointing)
+    hook_validate_args(arguments, _fail)
     _hook_parse_args(arguments)

@@ -100,7 +100,7 @@ def show(args) -> int:
 
 def profile_job(args, megatron_argv: list):
     """The measuring job on this rank (collective); returns the ProfileResult."""
-    from dhelix.arguments import parse_args
+    from dhelix.arguments import parse_args, trainer_run
     from dhelix.parallel import destroy_parallel_state, init_process_group_from_env
     from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
     from dhelix.topology import NodeTopology
@@ -114,7 +114,8 @@ def profile_job(args, megatron_argv: list):
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    run_info = {"model": model_fingerprint(margs), "parallel": parallel_fingerprint(margs),
+    run = trainer_run(margs)
+    run_info = {"model": model_fingerprint(run), "parallel": parallel_fingerprint(run),
                 "world_size": world,
                 "ranks_per_node": NodeTopology.detect().ranks_per_node or world}
     layer, timer = build_layer_under_test(margs, job)

@@ -217,7 +217,7 @@ def table(summary: dict, megatron_args: list, reps: int, warmup: int) -> str:
 
 
 def main(argv=None) -> int:
-    from dhelix.arguments import ATTENTION_CHOICES
+    from dhelix.options import ATTENTION_CHOICES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=None,

@@ -250,6 +250,25 @@ def _run_to_exit(argv: list[str]) -> list:
         return list(_Recorder.steps)
 
 
+def _refusal_in_process(argv: list[str]) -> dict:
+    """`pretrain_in_process(argv)` for a run the plugin must refuse: its exit code, the
+    stderr lines it printed, and the seconds until it stopped."""
+    import contextlib
+    import io
+    import time
+
+    err = io.StringIO()
+    start = time.perf_counter()
+    code = None
+    with contextlib.redirect_stderr(err):
+        try:
+            pretrain_in_process(argv)
+        except SystemExit as exc:
+            code = exc.code
+    return {"code": code, "stderr": err.getvalue().strip().splitlines(),
+            "seconds": time.perf_counter() - start}
+
+
 def data_and_checkpoint_body(ctx, workdir: str, data_prefix: str, layout: list) -> dict:
     """On `layout` (Megatron parallel arguments), returns on rank 0:
 
@@ -258,7 +277,11 @@ def data_and_checkpoint_body(ctx, workdir: str, data_prefix: str, layout: list) 
     - "chain": the losses of one uninterrupted stock run of 6 steps, and of the same run
       done in three pieces through Megatron's --save/--load: stock to step 2 (saved),
       --dhelix from that checkpoint to step 4 (saved), stock from the --dhelix checkpoint to
-      step 6, and the parameter differences at each hand-over."""
+      step 6, and the parameter differences at each hand-over;
+    - "checkpoint_args_refusal": a stock checkpoint saved with dropout 0.1, resumed with
+      `--use-checkpoint-args --dhelix` (the command line says dropout 0, the checkpoint's
+      0.1 wins): exit code, stderr lines and seconds until the refusal
+      (`_refusal_in_process`), and the checkpoint directory."""
     from dhelix.parity import max_abs_diff
 
     data = TINY + layout + ["--data-path", data_prefix, "--vocab-size", str(BYTE_VOCAB),
@@ -274,6 +297,11 @@ def data_and_checkpoint_body(ctx, workdir: str, data_prefix: str, layout: list) 
     second = _run_to_exit(base + ["--load", stock_dir, "--save", dhelix_dir, "--save-interval",
                                   "2", "--exit-interval", "4", "--dhelix"])
     third = pretrain_in_process(base + ["--load", dhelix_dir])
+    dropout_dir = f"{workdir}/ckpt_dropout"
+    _run_to_exit(base + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--save",
+                         dropout_dir, "--save-interval", "1", "--exit-interval", "1"])
+    refusal = _refusal_in_process(base + ["--load", dropout_dir, "--use-checkpoint-args",
+                                          "--dhelix"])
     if ctx.rank != 0:
         return {}
     pieces = first + second + third
@@ -284,4 +312,5 @@ def data_and_checkpoint_body(ctx, workdir: str, data_prefix: str, layout: list) 
         "chain": [s["loss"] for s in pieces],
         "handover_param_diff": [max_abs_diff(reference[i]["params"], pieces[i]["params"])[0]
                                 for i in (2, 4)],
+        "checkpoint_args_refusal": dict(refusal, checkpoint=dropout_dir),
     }

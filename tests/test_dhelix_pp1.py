@@ -145,7 +145,7 @@ def test_plan_file_is_used(tp2, plan_file_tp2):
 def test_plan_for_another_layout_is_rejected(plan_file_tp2):
     """A plan made for TP=2 without SP, checked against a TP=2 SP run: the error names the
     differing fingerprint fields and the command that regenerates the plan."""
-    from dhelix.arguments import parse_args
+    from dhelix.arguments import parse_args, trainer_run
     from dhelix.ops.describe import LayerDescription
     from dhelix.ops.layer_program import build_layer_programs
     from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
@@ -156,7 +156,8 @@ def test_plan_for_another_layout_is_rejected(plan_file_tp2):
                        "--sequence-parallel"], world_size=2)
     dags = build_layer_programs(
         LayerDescription.from_args(args, topology=NodeTopology.detect(None), rank=0)).dags()
-    expected = {"model": model_fingerprint(args), "parallel": parallel_fingerprint(args)}
+    run = trainer_run(args)
+    expected = {"model": model_fingerprint(run), "parallel": parallel_fingerprint(run)}
     with pytest.raises(PlanMismatch) as info:
         load_checked_plan(plan_file_tp2, expected, dags["fwd"], dags["bwd"])
     text = str(info.value)
@@ -212,13 +213,12 @@ def test_plans_differ_between_pairers(tp2):
 
 def test_domino_needs_an_even_micro_batch():
     from dhelix.arguments import parse_args
-    from dhelix.runtime.setup import DHelixSetupError, check_dhelix_supported
+    from dhelix.options import OptionError
 
-    args = parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2", "--dhelix",
-                       "--dhelix-pairer", "domino", "--micro-batch-size", "3",
-                       "--global-batch-size", "6"], world_size=2)
-    with pytest.raises(DHelixSetupError, match="--micro-batch-size must be even"):
-        check_dhelix_supported(args)
+    with pytest.raises(OptionError, match="--micro-batch-size must be even"):
+        parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2", "--dhelix",
+                    "--dhelix-pairer", "domino", "--micro-batch-size", "3",
+                    "--global-batch-size", "6"], world_size=2)
 
 
 def test_commfree_bound_needs_dhelix():

@@ -41,7 +41,7 @@ LAYERS = (
           "of the engine", ((
               "dhelix.file_formats", "dhelix.dag", "dhelix.topology", "dhelix.run_fingerprint",
               "dhelix.input_checks", "dhelix.arguments", "dhelix.folding", "dhelix.rank_errors",
-              "dhelix.divergence", "dhelix.memory", "dhelix.cluster", "dhelix.devices",
+              "dhelix.divergence", "dhelix.memory", "dhelix.cluster", "dhelix.devices", "dhelix.options",
               "dhelix.c10d_ops",
               "profiler.profile_file", "profiler.fingerprint", "planner.plan"),)),
     Layer("engine: megatron-core adapters and shims, process groups, checkpoints, data", ((

@@ -24,14 +24,22 @@ REFUSED = {
     "moe": (["--num-experts", "2"], "--num-experts"),
     "expert parallel": (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
     "context parallel": (["--context-parallel-size", "2"], "--context-parallel-size"),
-    "dropout": (["--hidden-dropout", "0.1"], "--hidden-dropout 0"),  # the last value wins
     "overlap grad reduce with PP": (PP2 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
     "reset attention mask": (["--reset-attention-mask"], "--reset-attention-mask"),
 }
 
 
-def _parse(argv):
-    """Megatron's parse_args with the plugin's hook, in this process: (exit code or None,
+# refused on the typed run, after Megatron's validate_args (dhelix.options.check_run)
+REFUSED_ONCE_VALIDATED = {
+    "dropout": (["--hidden-dropout", "0.1"], "--hidden-dropout 0"),  # the last value wins
+    "layers that do not fold": (PP2 + ["--num-layers", "6"], "multiple of 2 x 2 = 4"),
+    "domino with PP": (PP2 + ["--dhelix-pairer", "domino"], "--pipeline-model-parallel-size 1"),
+}
+
+
+def _parse(argv, validate=False):
+    """Megatron's parse_args with the plugin's hook, in this process (then its
+    validate_args with `validate`, which the plugin hooks too): (exit code or None,
     stderr)."""
     from megatron.training import arguments
 
@@ -43,7 +51,9 @@ def _parse(argv):
     sys.argv = ["pretrain_gpt.py", *argv]
     try:
         with contextlib.redirect_stderr(stderr):
-            arguments.parse_args()
+            args = arguments.parse_args()
+            if validate:
+                arguments.validate_args(args, {"tokenizer_type": "NullTokenizer"})
         return None, stderr.getvalue()
     except SystemExit as exc:
         return exc.code, stderr.getvalue()
@@ -65,6 +75,44 @@ def test_dhelix_refuses_before_any_process_group(name, monkeypatch):
     assert lines[0].startswith("error: --dhelix") and named in lines[0], lines[0]
     assert not dist.is_initialized()
     assert _parse(argv)[0] is None  # without --dhelix Megatron takes it
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_ONCE_VALIDATED))
+def test_dhelix_rules_checked_on_the_validated_run(name, monkeypatch):
+    import torch.distributed as dist
+
+    from megatron_patches.run_options import current_run
+
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    extra, named = REFUSED_ONCE_VALIDATED[name]
+    argv = TINY + ["--train-iters", "1"] + extra
+    code, err = _parse(argv + ["--dhelix"], validate=True)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: --dhelix") and named in lines[0], lines[0]
+    assert not dist.is_initialized()
+    assert _parse(argv, validate=True)[0] is None  # without --dhelix Megatron takes it
+    assert current_run().options.enabled is False
+
+
+def test_validated_run_is_typed(monkeypatch):
+    """The run the plugin hands to setup_dhelix: Megatron's validated values."""
+    from megatron_patches.run_options import current_run
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, err = _parse(TINY + PP2 + ["--train-iters", "1", "--dhelix", "--dhelix-pairer",
+                                     "sequential", "--disable-bias-linear"], validate=True)
+    assert code is None, err
+    run = current_run()
+    assert run.options.enabled and run.options.pairer == "sequential"
+    assert (run.model.num_layers, run.model.ffn_hidden_size, run.model.num_query_groups) \
+        == (4, 512, 4)
+    assert run.model.add_bias_linear is False and run.model.dtype == "fp32"
+    assert (run.parallel.pipeline_model_parallel_size, run.parallel.data_parallel_size,
+            run.parallel.num_microbatches) == (2, 2, 2)
 
 
 def test_refusal_through_the_launcher():

@@ -28,8 +28,8 @@ list for the Domino-style pairing), so the baselines are options of one code pat
 With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped schedule
 (the pairer decides how each SI block's layer pairs are interleaved); Megatron runs 1F1B.
 A system is "n/a" in a configuration when the runtime refuses it there
-(`check_dhelix_supported`), with the runtime's reason: the Domino-style split runs without
-pipelining only. Adding a system is one `System` entry.
+(`dhelix.options.check_run`, when the arguments are parsed), with its reason: the
+Domino-style split runs without pipelining only. Adding a system is one `System` entry.
 """
 
 from __future__ import annotations
@@ -125,7 +125,6 @@ def plan_system(system: System, config: Config, base_args: list,
     system when a profile is given, marking the analytic fallback otherwise), or why it
     cannot run there. Pure argument checks: no process group needed."""
     from dhelix.arguments import ArgumentError, parse_args
-    from dhelix.runtime.setup import DHelixSetupError, check_dhelix_supported
 
     args = list(system.args)
     label = system.label
@@ -137,10 +136,8 @@ def plan_system(system: System, config: Config, base_args: list,
             label += " (analytic-cost plan, no profile)"
     run = SystemRun(system, args, label)
     try:
-        parsed = parse_args(base_args + config.parallel_args() + args,
-                            world_size=config.world_size)
-        if parsed.dhelix:
-            check_dhelix_supported(parsed)
-    except (ArgumentError, DHelixSetupError) as exc:
+        parse_args(base_args + config.parallel_args() + args,  # checks the --dhelix rules
+                   world_size=config.world_size)
+    except ArgumentError as exc:
         run.unavailable = str(exc)
     return run

@@ -115,12 +115,14 @@ def run(args) -> int:
         print(format_table(program))
     print("\n" + saved_summary(programs))
     if args.export_dag:
+        from dhelix.arguments import trainer_run
         from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 
+        run = trainer_run(model_args)
         out = Path(args.export_dag)
         print(f"wrote {out / 'fwd.json'} and {out / 'bwd.json'}; plan this run with:")
         print("  " + shlex.join([
             "dhelix", "plan", "--fwd-dag", str(out / "fwd.json"), "--bwd-dag",
-            str(out / "bwd.json"), "--model", model_fingerprint(model_args), "--parallel",
-            parallel_fingerprint(model_args), "-o", "plan.json"]) + "  [--profile PROFILE]")
+            str(out / "bwd.json"), "--model", model_fingerprint(run), "--parallel",
+            parallel_fingerprint(run), "-o", "plan.json"]) + "  [--profile PROFILE]")
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from dhelix.arguments import ATTENTION_CHOICES
+from dhelix.options import ATTENTION_CHOICES
 from dhelix.topology import NodeTopology, tensor_parallel_ranks
 
 DROPOUT_POLICY = (

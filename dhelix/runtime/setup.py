@@ -6,6 +6,10 @@ schedule (`dhelix.schedules.si_schedule`) with PP=1, the W-shaped schedule over 
 model (`dhelix.schedules.w_schedule`) with PP > 1, both run by the action-list executor
 with the operator pass engine `dhelix.runtime.operator_passes`.
 
+Everything here reads the typed run (`dhelix.options.DHelixRun`: the `--dhelix*` options,
+the model shape and the parallel layout), built once and already checked where the
+arguments are final (docs/options.md); nothing reads an argument namespace.
+
 Plan sources, in order: `--dhelix-plan PATH` (checked: model, parallel layout and operator
 DAGs must match this run, and the profile too when `--dhelix-profile` is given; a refused
 plan's error quotes a `dhelix plan` command that builds one this run accepts, reading this
@@ -36,6 +40,7 @@ import torch.distributed as dist
 
 from dhelix.dag import save_dag
 from dhelix.ops.runner import BoundLayer
+from dhelix.options import SEQUENTIAL, DHelixOptions, DHelixRun
 from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.intra_batch_passes import IntraBatchPasses
@@ -65,8 +70,6 @@ from profiler.profile_file import load_profile
 
 log = logging.getLogger(__name__)
 
-DOMINO = "domino"
-SEQUENTIAL = "sequential"
 COMMFREE_WARNING = ("--dhelix-commfree-timing-only: every TP collective of the layers is a "
                     "no-op - timing only, wrong numerics (the benchmark's communication-free "
                     "bound; never use it to train)")
@@ -74,27 +77,6 @@ COMMFREE_WARNING = ("--dhelix-commfree-timing-only: every TP collective of the l
 
 class DHelixSetupError(ValueError):
     """`--dhelix` cannot run this configuration; the message says why and what to do."""
-
-
-def check_dhelix_supported(args) -> None:
-    """Refuse configurations the DHelix runtime does not handle (before building)."""
-    if args.dhelix_pairer == DOMINO and args.pipeline_model_parallel_size != 1:
-        raise DHelixSetupError("--dhelix-pairer domino (intra-batch split) runs without "
-                               "pipelining; use --pipeline-model-parallel-size 1")
-    if args.hidden_dropout or args.attention_dropout:
-        raise DHelixSetupError(
-            "--dhelix needs --hidden-dropout 0 --attention-dropout 0 (two interleaved strands "
-            "would draw dropout masks in a different order than Megatron)")
-    if args.dhelix_pairer == DOMINO and args.micro_batch_size % 2:
-        raise DHelixSetupError(
-            f"--dhelix-pairer domino splits each micro-batch in two halves along the batch "
-            f"dimension: --micro-batch-size must be even (got {args.micro_batch_size})")
-    if args.dhelix_pairer == DOMINO and (args.dhelix_plan or args.dhelix_profile):
-        raise DHelixSetupError("--dhelix-pairer domino does no planning: drop --dhelix-plan "
-                               "and --dhelix-profile")
-    if args.num_microbatches < 2 and args.dhelix_pairer != DOMINO:
-        log.warning("--dhelix with one micro-batch has nothing to pair: it runs F(1) then "
-                    "B(1); raise --global-batch-size for overlap")
 
 
 @dataclass
@@ -161,19 +143,19 @@ def run_dag_dir(plan_path) -> Path:
     return plan_path.parent / f"{plan_path.stem}-dags"
 
 
-def _load_run_plan(args, expected: dict, fwd, bwd):
+def _load_run_plan(options: DHelixOptions, expected: dict, fwd, bwd):
     """`--dhelix-plan`, checked against this run. On a mismatch the error's `dhelix plan`
     command reads this run's DAGs (written to `run_dag_dir` now, by every rank: identical
     files, atomic writes, and no rank waits for another), this run's fingerprints and
     `--dhelix-profile`, and writes the plan file this run reads: running it, then the same
     training command again, passes this check."""
-    dag_dir = run_dag_dir(args.dhelix_plan)
+    dag_dir = run_dag_dir(options.plan)
     inputs = {"--fwd-dag": str(dag_dir / "fwd.json"), "--bwd-dag": str(dag_dir / "bwd.json"),
-              "-o": str(args.dhelix_plan)}
-    if args.dhelix_profile:
-        inputs["--profile"] = str(args.dhelix_profile)
+              "-o": str(options.plan)}
+    if options.profile:
+        inputs["--profile"] = str(options.profile)
     try:
-        return load_checked_plan(args.dhelix_plan, expected, fwd, bwd, inputs=inputs)
+        return load_checked_plan(options.plan, expected, fwd, bwd, inputs=inputs)
     except PlanMismatch as exc:
         try:
             save_dag(fwd, dag_dir / "fwd.json")
@@ -186,31 +168,34 @@ def _load_run_plan(args, expected: dict, fwd, bwd):
         raise PlanMismatch(f"{exc} ({note})") from None
 
 
-def _resolve_plan(args, fwd, bwd):
-    expected = {"model": model_fingerprint(args), "parallel": parallel_fingerprint(args)}
+def _resolve_plan(run: DHelixRun, fwd, bwd):
+    """(plan, where it came from, the cost model it was built with or None) for this run:
+    the plan/profile compatibility checks (fingerprints, hardware) all happen here."""
+    options = run.options
+    expected = {"model": model_fingerprint(run), "parallel": parallel_fingerprint(run)}
     profile = None
-    if args.dhelix_profile:
-        profile = load_profile(args.dhelix_profile)
-        check_profile_fits(profile, args.dhelix_profile, expected["model"],
+    if options.profile:
+        profile = load_profile(options.profile)
+        check_profile_fits(profile, options.profile, expected["model"],
                            expected["parallel"])
-    if args.dhelix_plan:
+    if options.plan:
         if profile is not None:
             expected["profile_sha"] = profile.sha
-        plan = _load_run_plan(args, expected, fwd, bwd)
+        plan = _load_run_plan(options, expected, fwd, bwd)
         differences = plan_hardware_differences(plan.fingerprint["hardware"],
                                                 hardware_fingerprint(_world_size()))
         if differences:
             raise PlanMismatch(
-                f"{args.dhelix_plan}: plan was made from a profile of other hardware or "
+                f"{options.plan}: plan was made from a profile of other hardware or "
                 f"software than this machine ({'; '.join(differences)}); profile this machine "
                 f"with `{REGENERATE['profile']}` and re-plan with `dhelix plan --profile`")
-        return plan, f"file {args.dhelix_plan}", None
+        return plan, f"file {options.plan}", None
     costs = build_cost_model(fwd, bwd, profile,
-                             profile_path=args.dhelix_profile or "profile")
+                             profile_path=options.profile or "profile")
     command = shlex.join(["dhelix", "plan", "(built at start-up)"])
-    plan = make_plan(fwd, bwd, costs, pairer=args.dhelix_pairer, model=expected["model"],
+    plan = make_plan(fwd, bwd, costs, pairer=options.pairer, model=expected["model"],
                      parallel=expected["parallel"], command=command)
-    source = f"built at start-up ({args.dhelix_pairer}, costs from {costs.source}"
+    source = f"built at start-up ({options.pairer}, costs from {costs.source}"
     if costs.source == "profile":
         counts = pair_source_counts(costs, fwd, bwd)
         estimated = sum(n for name, n in counts.items() if name != "measured")
@@ -219,29 +204,29 @@ def _resolve_plan(args, fwd, bwd):
     return plan, source, costs
 
 
-def plan_seam(args, plan, dags) -> Seam | None:
+def plan_seam(options: DHelixOptions, plan, dags) -> Seam | None:
     """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
     or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
     reference row co-executes nothing), or where the plan has no seam."""
-    if not getattr(args, "dhelix_layer_seams", True) or plan.pairer == SEQUENTIAL:
+    if not options.layer_seams or plan.pairer == SEQUENTIAL:
         return None
     return layer_seam(plan.blocks, dags["fwd"].by_id(), dags["bwd"].by_id())
 
 
-def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
+def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | None = None
                  ) -> DHelixSetup:
     """Collective over the world (creates the lane process groups, with `job`'s timeout,
     for the channels the layers' collectives use; reusing `lane_pool`'s, when given).
-    Returns the set-up whose `forward_backward_func` (its engine's) replaces Megatron's."""
-    check_dhelix_supported(args)
+    `run` was checked when it was built (`dhelix.options.check_run`). Returns the set-up
+    whose `forward_backward_func` (its engine's) replaces Megatron's."""
     check_cuda_device_max_connections()
     if len(model_chunks) != 1:
         raise DHelixSetupError("--dhelix does not support virtual pipeline chunks")
-    timing_only = bool(getattr(args, "dhelix_commfree_timing_only", False))
-    block_barriers = bool(getattr(args, "dhelix_block_barriers", True))
+    options, parallel = run.options, run.parallel
+    timing_only = options.commfree_timing_only
     if timing_only:
         log.warning(COMMFREE_WARNING)
-    pipelined = args.pipeline_model_parallel_size > 1
+    pipelined = parallel.pipelined
     parts = GPTParts(model_chunks[0], whole_model=not pipelined)
     if pipelined and not isinstance(parts.model, FoldedGPTModel):
         raise DHelixSetupError(
@@ -249,16 +234,15 @@ def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
             "it with dhelix.training.Trainer.build(args, job) (which picks "
             "megatron_patches.folded_model.build_folded_model_chunks for --dhelix) after "
             "init_megatron_parallel_state(..., folded=True)")
-    rope = args.position_embedding_type == "rope"
-    domino = args.dhelix_pairer == DOMINO
-    layer_batch = args.micro_batch_size // 2 if domino else args.micro_batch_size
-    bound = [BoundLayer(layer, args.seq_length, layer_batch, rope=rope)
+    domino = options.domino
+    layer_batch = parallel.micro_batch_size // 2 if domino else parallel.micro_batch_size
+    bound = [BoundLayer(layer, run.model.seq_length, layer_batch, rope=run.model.rope)
              for layer in parts.layers]
     dags = bound[0].programs.dags()
     for layer in bound[1:]:
         if layer.programs.dags() != dags:
             raise DHelixSetupError("--dhelix needs identical layers (one plan serves all)")
-    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size, job,
+    lanes = tensor_parallel_lanes(parallel.tensor_model_parallel_size, job,
                                   channels=comm_channels(bound),
                                   no_comm_timing_only=timing_only, pool=lane_pool)
     if domino:
@@ -266,16 +250,16 @@ def setup_dhelix(args, model_chunks, job: Job, lane_pool: LanePool | None = None
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
         runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(fwd.fwd_order),
                              bwd_order=tuple(bwd.fwd_order), blocks=tuple(fwd.blocks),
-                             block_barriers=block_barriers)
+                             block_barriers=options.block_barriers)
         engine = ScheduleEngine(build_no_pipelining_schedule,
                                 IntraBatchPasses(parts, runner, bwd_blocks=bwd.blocks))
         source = "domino: intra-batch split, staggered halves, no planning"
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
                            engine=engine, timing_only=timing_only)
-    plan, source, costs = _resolve_plan(args, dags["fwd"], dags["bwd"])
+    plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"])
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
-                         block_barriers=block_barriers, seam=plan_seam(args, plan, dags))
+                         block_barriers=options.block_barriers, seam=plan_seam(options, plan, dags))
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
                             OperatorPasses(parts, runner, loss_at_forward=pipelined))
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,

@@ -257,9 +257,10 @@ def test_sdpa_attention_has_its_own_cost_keys(monkeypatch):
     with pytest.raises(UnsupportedLayerError, match="core attention"):
         describe(attention="flash")
     # a plan made for one attention is not taken for the other (default: unchanged string)
+    from dhelix.arguments import trainer_run
     from dhelix.run_fingerprint import model_fingerprint
 
-    plain = model_fingerprint(parse_args(["--preset", "tiny"]))
+    plain = model_fingerprint(trainer_run(parse_args(["--preset", "tiny"])))
     assert not plain.endswith("-sdpa")
-    assert model_fingerprint(parse_args(["--preset", "tiny", "--dhelix-attention", "sdpa"])) \
-        == plain + "-sdpa"
+    sdpa = trainer_run(parse_args(["--preset", "tiny", "--dhelix-attention", "sdpa"]))
+    assert model_fingerprint(sdpa) == plain + "-sdpa"

@@ -90,10 +90,10 @@ def test_truncated_real_profile_and_wrong_version(tmp_path):
 
 # ----------------------------------------------- foreign fingerprint / configuration
 def _run_args(tmp_path, profile_path, extra=()):
-    from dhelix.arguments import parse_args
+    from dhelix.arguments import parse_args, trainer_run
 
-    return parse_args([*TINY, "--dhelix", "--dhelix-profile", str(profile_path), *extra],
-                      world_size=2)
+    return trainer_run(parse_args([*TINY, "--dhelix", "--dhelix-profile", str(profile_path),
+                                   *extra], world_size=2))
 
 
 def test_training_refuses_profile_of_other_hardware(tmp_path):
@@ -143,7 +143,7 @@ def test_training_accepts_matching_profile_and_counts_estimates(tmp_path):
 
 
 def test_training_refuses_plan_made_from_foreign_profile(tmp_path):
-    from dhelix.arguments import parse_args
+    from dhelix.arguments import parse_args, trainer_run
     from dhelix.runtime.setup import _resolve_plan
     from planner.build import make_plan
     from planner.costs import build_cost_model
@@ -154,7 +154,8 @@ def test_training_refuses_plan_made_from_foreign_profile(tmp_path):
     plan = make_plan(dags["fwd"], dags["bwd"], costs, "sequential", model=MODEL,
                      parallel="tp2-pp1-nosp")
     path = save_plan(plan, tmp_path / "plan.json")
-    args = parse_args([*TINY, "--dhelix", "--dhelix-plan", str(path)], world_size=2)
+    args = trainer_run(parse_args([*TINY, "--dhelix", "--dhelix-plan", str(path)],
+                                  world_size=2))
     with pytest.raises(PlanMismatch, match=r"plan.json: plan was made from a profile of other "
                        r"hardware.*dhelix profile"):
         _resolve_plan(args, dags["fwd"], dags["bwd"])
