@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from scripts import bench_gpu
 
 
+@pytest.mark.slow  # four trainers, a few steps each
 def test_quick_run_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = bench_gpu.main(["--quick", "--reps", "1", "--warmup", "1", "--json", str(out)])

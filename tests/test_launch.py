@@ -42,6 +42,7 @@ def _errors(text):
     return [ln for ln in _lines(text) if ln.startswith("error: ")]
 
 
+@pytest.mark.slow  # five `dhelix train` processes, each importing Megatron-LM
 def test_bad_input_is_refused_before_torchrun_starts(tmp_path):
     cases = [
         (["--nproc-per-node", "3", "--tensor-model-parallel-size", "2"],
@@ -99,6 +100,7 @@ def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path):
     assert sum(ln.startswith("error: ") for ln in lines) == 1
 
 
+@pytest.mark.slow
 def test_plain_torchrun_prints_the_error_then_its_report_and_exits_1():
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                  str(SCRIPT), *TINY, "--micro-batch-size", "0"], timeout=120)

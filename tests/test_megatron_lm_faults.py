@@ -27,6 +27,8 @@ import pytest
 from dhelix.harness import free_port
 from tests.megatron_lm_ranks import ROOT, SCRIPT, TINY
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 TIMEOUT_S = 240
 MARKER = "DHELIX_FAULT_TEST"
 

@@ -12,6 +12,8 @@ import pytest
 
 from tests.megatron_lm_ranks import assert_parity, launch_parity
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 FP32_LOSS = 2e-6
 FP32_GRAD = 2e-7    # the Domino split sums a weight gradient over two halves, then adds
 FP32_PARAM = 1e-7   # SGD lr 0.05: lr x grad diffs

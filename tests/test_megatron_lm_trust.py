@@ -16,6 +16,8 @@ import pytest
 from dhelix.harness import run_on_ranks
 from tests.megatron_lm_trust_ranks import checkpoint_guard_body
 
+pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
 PP2 = ["--pipeline-model-parallel-size", "2"]
 DIGEST = "does not match its saved SHA-256 (its bytes changed since the save)"
 

@@ -110,6 +110,7 @@ def _layer_and_collectives(ctx):
     return out
 
 
+@pytest.mark.slow  # 2 gloo ranks, ~16 s
 def test_gpt_layer_and_collectives_under_the_mode():
     results = run_megatron_ranks(_layer_and_collectives, 2, timeout_s=240,
                                  env={"OMP_NUM_THREADS": "1"})
