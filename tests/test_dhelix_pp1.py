@@ -100,6 +100,7 @@ def _check(entry):
     assert entry["eval_loss_diff"] < FP32_EVAL  # evaluation on the forward-only list
 
 
+@pytest.mark.slow  # reads the module's 4-rank parity launch (the tp2 fixture)
 @pytest.mark.parametrize("name,kind,passes", [
     ("tp2_dp", "si", "OperatorPasses"),
     ("tp2_round_robin", "si", "OperatorPasses"),           # the Wavelet-style pairing
