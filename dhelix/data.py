@@ -64,8 +64,11 @@ class ByteTextDataset:
         return {
             "tokens": chunk[:-1],
             "labels": chunk[1:],
-            "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
-            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+            # host-side samples, like the tokens they sit beside (moved to the model's
+            # device with the batch)
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float, device=chunk.device),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long,
+                                         device=chunk.device),
         }
 
 
