@@ -12,7 +12,7 @@ and each `--num-layers` (the H100 run had 4; fewer fit this machine's memory), a
 run the modelled step (sum of kernel times: what the GPU stream would take if the host keeps
 up), the wall time / S, and the modelled time per term and per aten operator; then the
 step extrapolated linearly in the layer count to `--target-layers`, against the measured
-885-893 ms. TIMING ONLY: the weights are never initialised (the model is built under the mode).
+885-893 ms (stock) and 898-930 ms (`--dhelix` sequential). TIMING ONLY: the weights are never initialised (the model is built under the mode).
 
     PYTHONPATH=. flock /tmp/dhelix-heavy.lock python scripts/gpu_emulation_calibrate.py \\
         --profile /work/shared/measurements/h100_llama8b_layer_comp_only_profile.json
@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MEASURED_H100_STEP_MS = (885.0, 893.0)  # DESIGN.md: 4 Llama-8B layers, stock, one H100
-# --dhelix --dhelix-pairer sequential on the same H100: 898-930 ms (issue #24)
-SCHEDULES = ("megatron", "dhelix-sequential")
+# measured ms per iteration, 4 Llama-8B layers on one H100 (DESIGN.md, issue #24)
+MEASURED_H100_STEP_MS = {"megatron": (885.0, 893.0), "dhelix-sequential": (898.0, 930.0)}
+SCHEDULES = tuple(MEASURED_H100_STEP_MS)
 
 
 SEQ, VOCAB, KV_CHANNELS = 4096, 32000, 128
@@ -186,8 +186,8 @@ def main(argv=None) -> int:
                                            args.micro_batches, schedule, timeout_s=1800,
                                            env=env)[0])
             _print_run(runs[-1], args.time_scale)
-    lo, hi = MEASURED_H100_STEP_MS
     for schedule in args.schedules:
+        lo, hi = MEASURED_H100_STEP_MS[schedule]
         first, *_, last = [r for r in runs if r["schedule"] == schedule]
         per_layer = (last["modelled_ms"] - first["modelled_ms"]) / (
             last["num_layers"] - first["num_layers"])
@@ -195,8 +195,8 @@ def main(argv=None) -> int:
         results[schedule] = {"target_ms": target, "per_layer_ms": per_layer}
         print(f"\n{schedule}: per layer ({args.micro_batches} micro-batches) {per_layer:.1f} ms; "
               f"rest of the step {first['modelled_ms'] - per_layer * first['num_layers']:.1f} ms")
-        print(f"{schedule}: {args.target_layers} layers modelled {target:.1f} ms; stock Megatron "
-              f"measured {lo:.0f}-{hi:.0f} ms on one H100 ({target / ((lo + hi) / 2) - 1:+.1%})")
+        print(f"{schedule}: {args.target_layers} layers modelled {target:.1f} ms; measured "
+              f"{lo:.0f}-{hi:.0f} ms on one H100 ({target / ((lo + hi) / 2) - 1:+.1%})")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "results": results,
                                                "traced": traced}, indent=1))

@@ -22,6 +22,10 @@ computed: c10d and functional collectives are dispatched operators), before a ho
 operator and needs no flush: on a GPU it orders only the kernels issued after it, which the
 stream clock starts after the wait returned. Collectives themselves run for real.
 
+Regions (`enter_region` / `exit_region`): a stretch of code whose GPU time is known as a
+whole (Megatron's unfused core attention, `dhelix.gpu_emulation.regions`) is charged once;
+the compute operators inside are faked as elsewhere and charged nothing (`absorbed`).
+
 Ownership: outputs are new tensors owned by the caller, on the device of the operator's first
 tensor argument; the mode keeps no tensor (only the Work handles of in-flight collectives,
 until they complete). One mode per thread; autograd's backward on CPU runs on the calling

@@ -43,7 +43,8 @@ _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
 def active_mode() -> GpuEmulationMode | None:
-    """The innermost `GpuEmulationMode` on this thread's dispatch-mode stack, or None."""
+    """The innermost `GpuEmulationMode` on this thread's dispatch-mode stack (torch's
+    `_get_current_dispatch_mode_stack`), or None."""
     for mode in reversed(_get_current_dispatch_mode_stack()):
         if isinstance(mode, GpuEmulationMode):
             return mode
