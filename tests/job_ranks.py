@@ -104,8 +104,10 @@ def job_checks(ctx, timeout_s: float) -> dict:
     # its store and Megatron's --distributed-timeout-minutes reach the lanes and the guard
     plugin_job = job_of_megatron_group(timedelta(seconds=timeout_s))
     out["plugin_job_timeout"] = plugin_job.timeout
+    init_megatron_parallel_state(ParallelSizes(ctx.world_size, 1), 1234, plugin_job)
     out["plugin_lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(
         ctx.world_size, plugin_job, channels=COMM_LANES))
+    destroy_parallel_state()
     plugin_guard = StallGuard.for_job(plugin_job)
     dist.barrier()  # every rank published its pid before any reads
     out["plugin_guard_pids_ok"] = [
