@@ -111,9 +111,11 @@ def _check_attention(args) -> None:
 
 
 class _Run:
-    """What the hooks learned about this run: the DHelix set-up once the model exists."""
+    """What the hooks learned about this run: the DHelix set-up once the model exists
+    (`setup`, a `dhelix.runtime.setup.DHelixSetup`) and the schedule built on it."""
 
     forward_backward = None
+    setup = None
 
 
 def _megatron_args():
@@ -254,7 +256,7 @@ def _hook_training(training) -> None:
 
     @functools.wraps(setup_model_and_optimizer)
     def setup(*args, **kwargs):
-        _Run.forward_backward = None  # a new pretrain() in this process starts afresh
+        _Run.forward_backward = _Run.setup = None  # a new pretrain() starts afresh
         forget_last_checkpoint()
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         megatron_args = _megatron_args()
@@ -282,6 +284,7 @@ def _hook_training(training) -> None:
                 dhelix_setup = setup_dhelix(current_run(), model, job)
             except (DHelixSetupError, FormatError, OptionError) as exc:
                 _fail(str(exc))
+            _Run.setup = dhelix_setup
             _Run.forward_backward = megatron_forward_backward(dhelix_setup, megatron_args)
             if megatron_args.rank == 0:
                 schedule = ("W-shaped schedule over the folded model" if _folded(megatron_args)

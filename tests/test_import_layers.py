@@ -59,8 +59,10 @@ LAYERS = (
     Layer("profile | plan", (("profiler",), ("planner",))),
     Layer("run: the DHelix schedules built from a plan, the trainer", ((
         "dhelix.runtime", "dhelix.training"),)),
-    Layer("entry points: the Megatron-LM plugin's hooks, CLIs, benchmarks, scripts", ((
-        "megatron_patches.training_hooks", "dhelix.megatron_lm", "dhelix.cli", "dhelix.launch",
+    Layer("entry points: the Megatron-LM plugin's hooks and its step harness, CLIs, benchmarks, "
+          "scripts", ((
+        "megatron_patches.training_hooks", "megatron_patches.step_harness", "dhelix.megatron_lm",
+        "dhelix.cli", "dhelix.launch",
         "dhelix.env_report", "dhelix.__main__", "dhelix.bench", "scripts"),)),
 )
 

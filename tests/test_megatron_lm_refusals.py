@@ -208,10 +208,10 @@ def test_argparse_errors_are_one_line(monkeypatch):
 def test_layers_the_folded_model_cannot_split(monkeypatch):
     line = _one_line(["--dhelix", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
                      monkeypatch)
-    assert line == ("error: --dhelix with --pipeline-model-parallel-size > 1 folds the model "
-                    "into a U: model folding needs --num-layers divisible by 2 x "
-                    "--pipeline-model-parallel-size: --num-layers 2 is not a multiple of 2 x 2"
-                    " = 4; choose a layer count that is a multiple of 4")
+    # the same rule and words as the typed run's check (`dhelix.options.folding_problem`)
+    assert line == ("error: --dhelix with --pipeline-model-parallel-size 2 folds the layers "
+                    "into a U (two chunks per stage): --num-layers 2 must be a multiple of "
+                    "2 x 2 = 4")
 
 
 @pytest.mark.parametrize("extra, named", [
