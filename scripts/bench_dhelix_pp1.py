@@ -3,7 +3,7 @@
 (PP=1), same model, weights, data and launch, repetitions interleaved (A B A B ...) so
 machine noise hits both alike. Prints one table with the ratios.
 
-Local (spawned gloo ranks; the tiny model, `dhelix.bench.systems.TINY_MODEL`):
+Local (spawned gloo ranks; the tiny model, `dhelix.bench.systems.tiny_model()`):
     .venv/bin/python scripts/bench_dhelix_pp1.py --world-size 2 -- --num-layers 4 \
         --hidden-size 128 --num-attention-heads 4 --seq-length 64 \
         --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dhelix.bench.systems import TINY_MODEL  # noqa: E402 (after the path insert)
+from dhelix.bench.systems import tiny_model  # noqa: E402 (after the path insert)
 
 # 4 Llama-8B-shaped layers (configs/llama8b.json as Megatron arguments), bf16. The vocabulary
 # is cut to 32000 and the optimizer is SGD so that four rows' weights, fp32 main weights and
@@ -47,7 +47,7 @@ DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-siz
                  "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                  "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "8",
                  "--optimizer", "sgd", "--bf16"]
-QUICK_MODEL = [*TINY_MODEL, "--num-layers", "2", "--global-batch-size", "4"]
+QUICK_MODEL = tiny_model(num_layers=2, global_batch_size=4)
 # |loss - loss of the stock row with the same attention| (same operations, other order)
 # and |loss(stock, SDPA) - loss(stock, Megatron's attention)| (other attention kernels).
 LOSS_TOLERANCE = {"fp32": {"same": 1e-5, "cross": 1e-4},

@@ -29,19 +29,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dhelix.bench.systems import TINY_MODEL  # noqa: E402 (after the path insert)
+from dhelix.bench.systems import tiny_model  # noqa: E402 (after the path insert)
 
 LAUNCHER = ROOT / "scripts" / "emulated_cluster.py"
 # Communication measured 19% (a) and 49% (b) of Megatron's step at 800 Mbit/s (docs/benchmark.md).
 # Megatron's arguments; every run adds `dhelix.bench.systems.RUN_ARGS` (mock data, no
-# dropout, no evaluation) before them.
+# dropout, no evaluation) before them. The profile (`dhelix profile`) gets these alone
+# (with the layout's), so they name --train-iters.
 DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
                  "--seq-length", "256", "--max-position-embeddings", "256",
-                 "--micro-batch-size", "2", "--global-batch-size", "16"]
+                 "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1000"]
 # --quick profiles a handful of pairs once: enough to exercise the path, not to plan well.
 QUICK_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "1", "--max-pairs", "8"]
 # the tiny model (configs/tiny.json) with a global batch of 4
-QUICK_MODEL = [*TINY_MODEL, "--global-batch-size", "4"]
+QUICK_MODEL = [*tiny_model(global_batch_size=4), "--train-iters", "1000"]
 
 
 def per_config(values: list, option: str, configs: list) -> dict:

@@ -7,10 +7,10 @@ import math
 import pytest
 
 from dhelix.bench.report import bar_chart, markdown, summarise_config
-from dhelix.bench.systems import CONFIGS, SYSTEMS, TINY_MODEL, plan_system
+from dhelix.bench.systems import CONFIGS, SYSTEMS, plan_system, tiny_model
 from scripts.bench_systems import per_config
 
-MODEL = list(TINY_MODEL)
+MODEL = tiny_model()
 
 
 @functools.lru_cache(maxsize=None)  # each planning parses Megatron's arguments (~0.2 s)

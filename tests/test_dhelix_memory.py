@@ -9,7 +9,7 @@ Megatron's groups and start from the same weights and data: their first steps' l
 
 import pytest
 
-from dhelix.bench.systems import TINY_MODEL
+from dhelix.bench.systems import tiny_model
 from dhelix.harness import run_on_ranks
 from scripts.bench_dhelix_pp1 import bench_body
 
@@ -20,8 +20,9 @@ TP = 2
 
 
 def test_dhelix_peak_memory_within_bound():
-    hidden = int(TINY_MODEL[TINY_MODEL.index("--hidden-size") + 1])
-    args = [*TINY_MODEL, "--tensor-model-parallel-size", str(TP), "--sequence-parallel",
+    model = tiny_model()
+    hidden = int(model[model.index("--hidden-size") + 1])
+    args = [*model, "--tensor-model-parallel-size", str(TP), "--sequence-parallel",
             "--seq-length", "128", "--max-position-embeddings", "128"]
     results = run_on_ranks(bench_body, 2, args, 1, 0, timeout_s=480,
                            env={"OMP_NUM_THREADS": "1"})

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -52,10 +51,16 @@ RUN_ARGS = ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 
             "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0",
             "--lr", "3e-4", "--train-iters", "1000")
-# The tiny model (configs/tiny.json) as Megatron arguments: 4 layers, hidden 128, 4 heads.
-TINY_MODEL = ("--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-              "--seq-length", "64", "--max-position-embeddings", "64",
-              "--micro-batch-size", "2", "--global-batch-size", "8")
+
+
+def tiny_model(num_layers: int = 4, global_batch_size: int = 8) -> list:
+    """The tiny model (configs/tiny.json: hidden 128, 4 heads, sequence 64, micro-batch 2)
+    as Megatron arguments, with `num_layers` layers and a global batch of
+    `global_batch_size`."""
+    return ["--num-layers", str(num_layers), "--hidden-size", "128",
+            "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "2",
+            "--global-batch-size", str(global_batch_size)]
 
 
 class ArgumentsRefused(ValueError):
@@ -75,23 +80,21 @@ def parse_megatron_args(argv: list, world_size: int):
     from dhelix.megatron_lm import install_plugin
 
     install_plugin()
-    saved_argv, saved_world = sys.argv, os.environ.get("WORLD_SIZE")
+    saved_argv = sys.argv
     sys.argv = [str(PRETRAIN_SCRIPT), *argv]
-    os.environ["WORLD_SIZE"] = str(world_size)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(printed):
             args = arguments.parse_args()
+            args.world_size, args.rank = world_size, 0
             arguments.validate_args(args, {})
     except SystemExit:
         lines = [line for line in printed.getvalue().splitlines() if line.startswith("error: ")]
         raise ArgumentsRefused(lines[-1][len("error: "):] if lines else printed.getvalue())
+    except (AssertionError, ValueError, TypeError) as exc:  # Megatron's validate_args
+        raise ArgumentsRefused(" ".join(str(exc).split()) or type(exc).__name__) from None
     finally:
         sys.argv = saved_argv
-        if saved_world is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = saved_world
     return args
 
 
