@@ -8,7 +8,8 @@ Where they are built:
 - Megatron-LM plugin: `megatron_patches.run_options.run_from_megatron_args`, right after
   Megatron's `validate_args` (so after `--use-checkpoint-args` loaded the checkpoint's
   arguments, and with Megatron's derived sizes).
-- dhelix's look-alike trainer: `dhelix.arguments.trainer_run`.
+- dhelix's look-alike trainer (kept while the benchmark, the profiler, `dhelix ops` and
+  the parity matrices still build their model through it): `dhelix.arguments.trainer_run`.
 
 `DHelixRun` checks the rules that tie the `--dhelix*` options to the model and layout when
 it is built (`check_run`, the one place they are checked): building an unsupported run
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from dhelix.input_checks import ArgumentError
+from dhelix.argument_error import ArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class OptionError(ArgumentError):
 
 @dataclass(frozen=True)
 class DHelixOptions:
-    """Every `--dhelix*` option (`dhelix.arguments.add_dhelix_runtime_args`), with its
+    """Every `--dhelix*` option (`dhelix.dhelix_arguments.add_dhelix_runtime_args`), with its
     default. Field = option without the `--dhelix-` prefix."""
 
     enabled: bool = False  # --dhelix: co-execute micro-batch pairs

@@ -18,7 +18,9 @@ taken when `pretrain()` stopped, and `PretrainedRun.active()` puts its snapshot 
 duration of a step. Runs built one after another with the same layout (TP, PP, folded or not)
 share Megatron's process groups (`initialize_megatron` keeps an initialised parallel state);
 a new layout gets new groups (every idle gloo group slows the running one: its transport
-thread wakes every 10 ms).
+thread wakes every 10 ms). For the same reason the `--dhelix` runs of one process share their
+lane process groups (`dhelix.runtime.lanes.LanePool`, `_LANES`): runs are stepped one at a
+time, so a run's collectives have completed before another run uses the same lanes.
 
 Numerics are Megatron's: a step is `train_step` with the arguments `train()` passes it. What
 the harness leaves out of `train()`: its logging, evaluation, checkpoint and exit intervals
@@ -110,6 +112,7 @@ class _Captured(BaseException):
 
 _LIVE: list = []  # PretrainedRun objects not closed yet, oldest first
 _LAST_LAYOUT: list = [None]
+_LANES: list = [None]  # the LanePool of the runs alive in this process (created on first use)
 
 
 def _layout() -> tuple:
@@ -129,11 +132,19 @@ def _stopping_at_first_train_step():
     """While `pretrain()` runs: its first `train_step` call raises `_Captured` with the
     arguments `train()` passed; and Megatron's parallel state is forgotten before
     `initialize_megatron` sets up a layout other than the last run's
-    (`megatron.training.initialize._initialize_distributed`)."""
+    (`megatron.training.initialize._initialize_distributed`); the plugin's `setup_dhelix`
+    (`dhelix.runtime.setup`, looked up by `training_hooks` when the model exists) takes its
+    lane groups from the pool every run of this process shares (`_LANES`)."""
     from megatron.training import initialize, training
+
+    from dhelix.runtime import setup as dhelix_setup
+    from dhelix.runtime.lanes import LanePool
 
     original_step = training.train_step
     original_distributed = initialize._initialize_distributed
+    original_setup = dhelix_setup.setup_dhelix
+    if _LANES[0] is None:
+        _LANES[0] = LanePool()
 
     @functools.wraps(original_step)
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
@@ -152,13 +163,19 @@ def _stopping_at_first_train_step():
             _forget_parallel_state()
         return original_distributed(*args, **kwargs)
 
+    @functools.wraps(original_setup)
+    def setup_dhelix(run, model_chunks, job, lane_pool=None):
+        return original_setup(run, model_chunks, job, lane_pool=lane_pool or _LANES[0])
+
     training.train_step = train_step
     initialize._initialize_distributed = initialize_distributed
+    dhelix_setup.setup_dhelix = setup_dhelix
     try:
         yield
     finally:
         training.train_step = original_step
         initialize._initialize_distributed = original_distributed
+        dhelix_setup.setup_dhelix = original_setup
 
 
 def _forget_parallel_state() -> None:
@@ -277,20 +294,27 @@ class PretrainedRun:
     def forward_backward(self, forward_only: bool = False) -> list:
         """The forward/backward function alone over one global batch, grads zeroed first
         (as `train_step` does), no optimizer step; returns the per-micro-batch loss reports
-        (on the stage that computes the loss)."""
+        (on the stage that computes the loss). Runs inside Megatron's rerun state machine
+        as `train_step` does (`should_run_forward_backward`: a loss function that validates
+        its result, as pretrain_gpt's does, needs it)."""
         from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
 
         with self.active():
-            if not forward_only:
-                for chunk in self.model:
-                    chunk.zero_grad_buffer()
-                self.optimizer.zero_grad()
-            args = self.args
-            return self.forward_backward_func(
-                forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
-                model=self.model, num_microbatches=get_num_microbatches(),
-                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.decoder_seq_length, forward_only=forward_only)
+            rerun_state_machine = get_rerun_state_machine()
+            losses = None
+            while rerun_state_machine.should_run_forward_backward(self.data_iterator):
+                if not forward_only:
+                    for chunk in self.model:
+                        chunk.zero_grad_buffer()
+                    self.optimizer.zero_grad()
+                args = self.args
+                losses = self.forward_backward_func(
+                    forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
+                    model=self.model, num_microbatches=get_num_microbatches(),
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    decoder_seq_length=args.decoder_seq_length, forward_only=forward_only)
+            return losses
 
     def close(self) -> None:
         """Forget this run; when it was the last one alive, tear down Megatron's global state
@@ -312,6 +336,7 @@ def close_all_runs() -> None:
         run.closed = True
     _LIVE.clear()
     _LAST_LAYOUT[0] = None
+    _LANES[0] = None
     destroy_global_state()
 
 

@@ -3,11 +3,17 @@
 (PP=1), same model, weights, data and launch, repetitions interleaved (A B A B ...) so
 machine noise hits both alike. Prints one table with the ratios.
 
-Local (spawned gloo ranks):
-    .venv/bin/python scripts/bench_dhelix_pp1.py --world-size 2 -- --preset tiny \
+Local (spawned gloo ranks; the tiny model, `dhelix.bench.systems.tiny_model()`):
+    .venv/bin/python scripts/bench_dhelix_pp1.py --world-size 2 -- --num-layers 4 \
+        --hidden-size 128 --num-attention-heads 4 --seq-length 64 \
+        --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \
         --tensor-model-parallel-size 2 --sequence-parallel
 Under torchrun (e.g. inside scripts/emulated_cluster.py, so TP crosses a shaped link):
     torchrun ... scripts/bench_dhelix_pp1.py -- <the same Megatron arguments>
+
+Each system is `scripts/pretrain_gpt.py` set up by `megatron.training.pretrain` under the
+plugin (`megatron_patches.step_harness`) with `dhelix.bench.systems.RUN_ARGS` (mock data, no
+dropout, ...) before the given arguments, stepped by Megatron's own `train_step`.
 
 Memory: peak bytes of tensor storage allocated by the compute thread during one
 forward/backward (`dhelix.memtrace`), for both schedules, next to the bound the runtime
@@ -27,26 +33,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _layer_activation_bytes(trainer) -> int:
-    """Bytes one layer's forward program holds for its backward (its saved activations)."""
+def _layer_activation_bytes(run) -> int:
+    """Bytes one layer's forward program holds for its backward (its saved activations), for
+    the `--dhelix` run `run` (a `PretrainedRun`), on its model's device."""
     import torch
 
     from dhelix.devices import model_device
 
-    runner = trainer.dhelix.runner
-    execution = runner.new_execution(0)
-    args = trainer.args
+    setup, args = run.dhelix, run.args
+    execution = setup.runner.new_execution(0)
     tp = args.tensor_model_parallel_size
     seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
-    x = torch.zeros(seq, args.micro_batch_size, args.hidden_size,
-                    device=model_device(trainer.dhelix.parts.model))
-    rope = None
-    if args.position_embedding_type == "rope":
-        rope = trainer.dhelix.parts.model.rotary_pos_emb(args.seq_length)
-    execution.begin_forward(x, None, rope)
-    for op in runner.fwd_order:
-        execution.run(op)
-    execution.end_forward()
+    with run.active():
+        x = torch.zeros(seq, args.micro_batch_size, args.hidden_size,
+                        device=model_device(setup.parts.model))
+        rope = None
+        if args.position_embedding_type == "rope":
+            rope = setup.parts.model.rotary_pos_emb(args.seq_length)
+        execution.begin_forward(x, None, rope)
+        for op in setup.runner.fwd_order:
+            execution.run(op)
+        execution.end_forward()
     total, seen = 0, set()
     for name in execution.live_values():
         value = execution.get(name)
@@ -61,45 +68,49 @@ def _layer_activation_bytes(trainer) -> int:
 DEFAULT_SYSTEMS = {"megatron": [], "dhelix": ["--dhelix"]}
 
 
-def _timeline_step(trainer) -> dict:
-    """One more forward/backward with the compute thread's spans recorded
-    (`dhelix.runtime.timeline`): seconds of compute, collective issue, waiting on
+def _timeline_step(run) -> dict:
+    """One more forward/backward of the `--dhelix` run `run` with the compute thread's spans
+    recorded (`dhelix.runtime.timeline`): seconds of compute, collective issue, waiting on
     collectives, block barriers, and the step's wall time."""
     import torch.distributed as dist
 
     from dhelix.runtime.timeline import Timeline
 
-    runner = trainer.dhelix.runner
+    runner = run.dhelix.runner
     runner.timeline = Timeline()
     dist.barrier()
     start = time.perf_counter()
-    trainer.forward_backward()
+    run.forward_backward()
     elapsed = time.perf_counter() - start
     totals = runner.timeline.totals()
     runner.timeline = None
     return {**totals, "step_s": elapsed}
 
 
-def _plan_costs(trainer) -> dict:
-    """What the plan predicts per paired layer (sequential and planned ms), and how many
-    layer pairs one step pairs: (micro-batches - 1) x local layers without pipelining, None
-    with it (the W schedule pairs fewer; no step prediction is made there). With the cost
-    model at hand (a plan built at start-up), also `sequential_executed_ms`: the same layer's
-    forward then backward as the strand executor runs each alone, its collectives in flight
-    while the strand computes what does not read them (`planner.cosched.strand_alone_ms`);
-    `sequential_ms` is the plain sum of the solo times. With a seam between layer pairs
-    (`planner.blocks.layer_seam`): how much each seam saves by the block model (the head's
-    and tail's blocks against the seam block) and how many a step has ((m - 1) x
-    (layers - 1) without pipelining)."""
+def _plan_costs(run) -> dict:
+    """What the plan of the `--dhelix` run `run` predicts per paired layer (sequential and
+    planned ms), and how many layer pairs one step pairs: (micro-batches - 1) x local layers
+    without pipelining, None with it (the W schedule pairs fewer; no step prediction is made
+    there). With the cost model at hand (a plan built at start-up), also
+    `sequential_executed_ms`: the same layer's forward then backward as the strand executor
+    runs each alone, its collectives in flight while the strand computes what does not read
+    them (`planner.cosched.strand_alone_ms`); `sequential_ms` is the plain sum of the solo
+    times. With a seam between layer pairs (`planner.blocks.layer_seam`): how much each seam
+    saves by the block model (the head's and tail's blocks against the seam block) and how
+    many a step has ((m - 1) x (layers - 1) without pipelining)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
     from planner.cosched import simulate_block, strand_alone_ms
 
-    setup, args = trainer.dhelix, trainer.args
+    setup, args = run.dhelix, run.args
     plan, seam = setup.plan, setup.runner.seam
     pairs = seams = None
     if args.pipeline_model_parallel_size == 1:
+        with run.active():
+            microbatches = get_num_microbatches()
         layers = len(setup.runner.bound_layers)
-        pairs = (args.num_microbatches - 1) * layers
-        seams = (args.num_microbatches - 1) * (layers - 1) if seam is not None else 0
+        pairs = (microbatches - 1) * layers
+        seams = (microbatches - 1) * (layers - 1) if seam is not None else 0
     out = {"sequential_ms": plan.sequential_ms, "planned_ms": plan.planned_ms,
            "paired_layers_per_step": pairs, "seams_per_step": seams}
     if setup.costs is None:
@@ -117,16 +128,16 @@ def _plan_costs(trainer) -> dict:
     return out
 
 
-def _link_floor(trainer, repeats: int = 3) -> dict:
-    """The collectives of one forward/backward of `trainer` (`dhelix.bench.link_floor`),
-    replayed `repeats` times one at a time and all at once (interleaved, behind a barrier):
-    their count, tensor bytes, the c10d calls not replayed, and this rank's seconds per
-    replay."""
+def _link_floor(run, repeats: int = 3) -> dict:
+    """The collectives of one forward/backward of `run` (a `PretrainedRun`: Megatron's
+    schedule for the megatron system; `dhelix.bench.link_floor`), replayed `repeats` times
+    one at a time and all at once (interleaved, behind a barrier): their count, tensor bytes,
+    the c10d calls not replayed, and this rank's seconds per replay."""
     import torch.distributed as dist
 
     from dhelix.bench.link_floor import record_collectives, replay
 
-    _, collectives, skipped = record_collectives(trainer.forward_backward)
+    _, collectives, skipped = record_collectives(run.forward_backward)
     out = {"collectives": len(collectives),
            "tensor_bytes": sum(c.tensor_bytes for c in collectives),
            "skipped": sorted(set(skipped)), "one_at_a_time_s": [], "all_at_once_s": []}
@@ -137,104 +148,100 @@ def _link_floor(trainer, repeats: int = 3) -> dict:
     return out
 
 
-def build_trainers(megatron_args: list, systems: dict) -> dict:
-    """Every rank (joins the torchrun-style process group first): one `Trainer` per system
-    (name -> extra arguments added to `megatron_args`), each from the same seed, so the same
-    initial weights and data.
+def build_runs(megatron_args: list, systems: dict) -> dict:
+    """Every rank of the job (torchrun's environment or `dhelix.harness` ranks; the process
+    group is Megatron's, created by the first run): one `PretrainedRun` per system (name ->
+    extra Megatron arguments after `RUN_ARGS + megatron_args`), each set up by
+    `megatron.training.pretrain` for `scripts/pretrain_gpt.py` under the plugin
+    (`megatron_patches.step_harness.build_run`) with the same seed, so the same initial
+    weights and data.
 
-    Systems with the same layout share Megatron's groups (only the folded model's embedding
-    group differs, and a layout change rebuilds them): every idle gloo group costs the
-    running one (its transport thread wakes every 10 ms; 60 idle groups made Megatron's step
-    5-17% longer), and each init creates ~20. Every trainer keeps references to its own model
-    and groups, its finalize_model_grads included (dhelix.training.Trainer.build). For the
-    same reason the DHelix-runtime systems share their lane groups (`LanePool`)."""
-    from dhelix.arguments import parse_args
-    from dhelix.folding import uses_folded_model
-    from dhelix.parallel import ParallelSizes, init_megatron_parallel_state, \
-        init_process_group_from_env
-    from dhelix.runtime.lanes import LanePool
-    from dhelix.training import Trainer
-    from megatron.core import parallel_state
-    from megatron_patches.stage_rng import seed_pipeline_stage
+    Systems with the same layout share Megatron's process groups (only the folded model's
+    embedding group differs, and a layout change builds new ones) and the `--dhelix` systems
+    their lane groups (the harness's `LanePool`): every idle gloo group costs the running one
+    (its transport thread wakes every 10 ms; 60 idle groups made Megatron's step 5-17%
+    longer). Close the runs with `close_all_runs()` when done."""
+    from dhelix.bench.systems import PRETRAIN_SCRIPT, RUN_ARGS
+    from megatron_patches.step_harness import build_run
 
-    job = init_process_group_from_env()
-    trainers, layout, lane_pool = {}, None, LanePool()
-    for name, extra in systems.items():
-        args = parse_args(megatron_args + list(extra))
-        sizes = ParallelSizes(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        folded = uses_folded_model(args)
-        if (sizes, folded) != layout:
-            init_megatron_parallel_state(sizes, args.seed, job, folded=folded)
-            layout = (sizes, folded)
-        else:
-            seed_pipeline_stage(args.seed, parallel_state.get_pipeline_model_parallel_rank())
-        trainers[name] = Trainer.build(args, job, lane_pool=lane_pool)
-    return trainers
+    return {name: build_run(str(PRETRAIN_SCRIPT), [*RUN_ARGS, *megatron_args, *extra])
+            for name, extra in systems.items()}
+
+
+def _loss(outcome):
+    """The global batch's mean 'lm loss' of a `StepOutcome`, None on a stage without it."""
+    value = outcome.loss_dict.get("lm loss")
+    return None if value is None else float(value)
 
 
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
                systems: dict | None = None) -> dict:
-    """Every rank: build one trainer per system (`systems`: name -> extra arguments added
-    to `megatron_args`; default Megatron and `--dhelix`) from the same seed, so the same
-    initial weights and data; then `warmup` + `repeats` rounds, each one training step of
-    every system in turn (interleaved, behind a barrier), then one measured forward/backward
-    per system for peak memory, then Megatron's communication alone (`_link_floor`), then
-    one recorded forward/backward per DHelix-runtime system (`_timeline_step`). Returns
-    this rank's step times (measured rounds only), peak bytes, the link floor readings and,
-    per system using the DHelix runtime, its plan description and timeline totals."""
+    """Every rank: build one run per system (`build_runs`; `systems`: name -> extra
+    arguments added to `megatron_args`; default Megatron and `--dhelix`) from the same seed,
+    so the same initial weights and data; then `warmup` + `repeats` rounds, each one
+    training step (`PretrainedRun.train_step`, Megatron's `train_step`) of every system in
+    turn (interleaved, behind a barrier), then one measured forward/backward per system for
+    peak memory, then Megatron's communication alone (`_link_floor`), then one recorded
+    forward/backward per DHelix-runtime system (`_timeline_step`). Returns this rank's step
+    times (measured rounds only), peak bytes, the link floor readings and, per system using
+    the DHelix runtime, its plan description and timeline totals. Closes every run."""
     import torch.distributed as dist
 
     from dhelix.bench.cpu_time import CpuTimes
     from dhelix.memtrace import measure_peak
+    from megatron_patches.step_harness import close_all_runs
 
-    trainers = build_trainers(megatron_args, systems or DEFAULT_SYSTEMS)
-    times = {name: [] for name in trainers}
+    runs = build_runs(megatron_args, systems or DEFAULT_SYSTEMS)
+    times = {name: [] for name in runs}
     first_loss = {}  # every system's first step (same weights and data: equal losses)
     # where a measured step went: forward/backward (what a recorded step covers), the
     # optimizer step, and the rest (loss reduction across ranks, memory reading)
     # and how the compute thread spent the step (`dhelix.bench.cpu_time`)
-    parts = {name: {"forward_backward": [], "optimizer": [], "rest": []} for name in trainers}
+    parts = {name: {"forward_backward": [], "optimizer": [], "rest": []} for name in runs}
     for i in range(warmup + repeats):
-        for name, trainer in trainers.items():
+        for name, run in runs.items():
             dist.barrier()
             cpu_before = CpuTimes.now()
             start = time.perf_counter()
-            result = trainer.train_step()
+            outcome = run.train_step()
             elapsed = time.perf_counter() - start
             cpu = CpuTimes.now().since(cpu_before)
             if i == 0:
-                first_loss[name] = result.loss
+                first_loss[name] = _loss(outcome)
             if i >= warmup:
                 times[name].append(elapsed)
-                fb = result.forward_backward_s
+                fb = outcome.forward_backward_s
                 parts[name]["forward_backward"].append(fb)
-                parts[name]["optimizer"].append(result.step_time_s - fb)
-                parts[name]["rest"].append(elapsed - result.step_time_s)
+                parts[name]["optimizer"].append(outcome.step_s - fb)
+                parts[name]["rest"].append(elapsed - outcome.step_s)
                 for key, value in cpu.items():
                     if value is not None:
                         parts[name].setdefault(key, []).append(value)
     memory = {}
-    for name, trainer in trainers.items():
+    for name, run in runs.items():
         dist.barrier()
-        _, reading = measure_peak(trainer.forward_backward)
+        with run.active():
+            _, reading = measure_peak(run.forward_backward)
         memory[name] = reading.compute_peak_bytes
-    megatron = trainers.get("megatron")
+    megatron = runs.get("megatron")
     link_floor = _link_floor(megatron) if megatron is not None else None
+    first = next(iter(runs.values()))
     result = {"rank": ctx.rank, "times": times, "step_parts": parts, "memory": memory,
               "link_floor": link_floor,
-              "first_loss": first_loss,
-              "plans": {name: t.dhelix.describe() for name, t in trainers.items()
-                        if t.dhelix is not None},
-              "plan_costs": {name: _plan_costs(t) for name, t in trainers.items()
-                             if t.dhelix is not None and t.dhelix.plan is not None},
-              "timelines": {name: _timeline_step(t) for name, t in trainers.items()
-                            if t.dhelix is not None}}
-    dhelix = trainers.get("dhelix")
+              "first_loss": first_loss, "padded_vocab_size": first.args.padded_vocab_size,
+              "plans": {name: r.dhelix.describe() for name, r in runs.items()
+                        if r.dhelix is not None},
+              "plan_costs": {name: _plan_costs(r) for name, r in runs.items()
+                             if r.dhelix is not None and r.dhelix.plan is not None},
+              "timelines": {name: _timeline_step(r) for name, r in runs.items()
+                            if r.dhelix is not None}}
+    dhelix = runs.get("dhelix")
     if dhelix is not None and dhelix.dhelix is not None and dhelix.dhelix.plan is not None:
         plan = dhelix.dhelix.plan
         result.update(layer_activation_bytes=_layer_activation_bytes(dhelix),
                       predicted_speedup=plan.speedup, plan_blocks=len(plan.blocks),
                       plan_source=dhelix.dhelix.plan_source)
+    close_all_runs()
     return result
 
 

@@ -7,9 +7,10 @@ alike. Prints one table.
     PYTHONPATH=/tmp/site:. python scripts/bench_gpu.py                 # Llama-8B-shaped
     PYTHONPATH=. .venv/bin/python scripts/bench_gpu.py --quick         # tiny model, CPU
 
-Every row is dhelix's `Trainer` (megatron-core's model, optimizer and, without `--dhelix`,
-schedule) built from the same seed in one process (`scripts.bench_dhelix_pp1.build_trainers`),
-so the same initial weights and data: the loss of every row is checked to be equal at every
+Every row is `scripts/pretrain_gpt.py` set up by `megatron.training.pretrain` under the plugin
+(megatron-core's model, optimizer and, without `--dhelix`, schedule; stepped by Megatron's own
+`train_step`, `megatron_patches.step_harness`) from the same seed in one process
+(`scripts.bench_dhelix_pp1.build_runs`), so the same initial weights and data: the loss of every row is checked to be equal at every
 repetition (and printed). Per row: step time min / median / max over the measured
 repetitions (CUDA events on CUDA; wall clock on CPU, labelled), TFLOP/s per GPU by
 Megatron's own count (`megatron.training.training.num_floating_point_operations`) and, on
@@ -32,13 +33,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# 4 Llama-8B-shaped layers, bf16. The vocabulary is cut to 32000 and the optimizer is SGD so
-# that four rows' weights, fp32 main weights and gradients (~11 GB each) fit one 80 GB GPU.
-DEFAULT_MODEL = ["--preset", "llama8b", "--num-layers", "4", "--vocab-size", "32000",
-                 "--global-batch-size", "8", "--train-iters", "1000", "--optimizer", "sgd",
-                 "--bf16"]
-QUICK_MODEL = ["--preset", "tiny", "--num-layers", "2", "--global-batch-size", "4",
-               "--train-iters", "1000"]
+from dhelix.bench.systems import tiny_model  # noqa: E402 (after the path insert)
+
+# 4 Llama-8B-shaped layers (configs/llama8b.json as Megatron arguments), bf16. The vocabulary
+# is cut to 32000 and the optimizer is SGD so that four rows' weights, fp32 main weights and
+# gradients (~11 GB each) fit one 80 GB GPU. Every row adds `dhelix.bench.systems.RUN_ARGS`
+# (mock data, no dropout, no evaluation) before the model's arguments.
+DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+                 "--num-attention-heads", "32", "--group-query-attention",
+                 "--num-query-groups", "8", "--seq-length", "4096",
+                 "--max-position-embeddings", "8192", "--swiglu", "--normalization", "RMSNorm",
+                 "--position-embedding-type", "rope", "--rotary-base", "500000",
+                 "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "8",
+                 "--optimizer", "sgd", "--bf16"]
+QUICK_MODEL = tiny_model(num_layers=2, global_batch_size=4)
 # |loss - loss of the stock row with the same attention| (same operations, other order)
 # and |loss(stock, SDPA) - loss(stock, Megatron's attention)| (other attention kernels).
 LOSS_TOLERANCE = {"fp32": {"same": 1e-5, "cross": 1e-4},
@@ -92,22 +101,12 @@ class StepTimer:
         return result, start.elapsed_time(end) / 1e3
 
 
-def megatron_flops_per_step(args, world_size: int) -> float:
-    """Megatron's FLOP count of one global batch for the model `args` (dhelix's Megatron
-    names) describe: `num_floating_point_operations` over Megatron's own argument defaults
-    with this model's values on top."""
-    from megatron.training import arguments
+def megatron_flops_per_step(args) -> float:
+    """Megatron's FLOP count of one global batch for the run whose Megatron arguments are
+    `args` (`megatron.training.training.num_floating_point_operations`)."""
     from megatron.training.training import num_floating_point_operations
 
-    argv, sys.argv = sys.argv, [sys.argv[0]]
-    try:
-        defaults = arguments.parse_args(ignore_unknown_args=True)
-    finally:
-        sys.argv = argv
-    view = argparse.Namespace(**{**vars(defaults), **vars(args)})
-    view.group_query_attention = True  # num_query_groups is resolved (= heads without GQA)
-    view.world_size = world_size
-    return float(num_floating_point_operations(view, args.global_batch_size))
+    return float(num_floating_point_operations(args, args.global_batch_size))
 
 
 def device_name() -> str:
@@ -119,39 +118,43 @@ def device_name() -> str:
 
 
 def bench_body(ctx, megatron_args: list, rows: list, reps: int, warmup: int) -> dict:
-    """Every rank: build one trainer per row, then `warmup` + `reps` rounds of one training
-    step of every row in turn. Returns this rank's per-row step seconds and losses (every
-    round, warm-up included: the rows train in lockstep from the same weights), step peak
-    bytes above the resident ones (CUDA; None on CPU), the FLOPs per step and the device."""
+    """Every rank: build one run per row (`scripts.bench_dhelix_pp1.build_runs`), then
+    `warmup` + `reps` rounds of one training step (Megatron's `train_step`) of every row in
+    turn. Returns this rank's per-row step seconds and losses (every round, warm-up
+    included: the rows train in lockstep from the same weights), step peak bytes above the
+    resident ones (CUDA; None on CPU), the FLOPs per step and the device. Closes the runs."""
     import torch
     import torch.distributed as dist
 
-    from scripts.bench_dhelix_pp1 import build_trainers
+    from megatron_patches.step_harness import close_all_runs
+    from scripts.bench_dhelix_pp1 import build_runs
 
-    trainers = build_trainers(megatron_args, {r.name: list(r.args) for r in rows})
+    runs = build_runs(megatron_args, {r.name: list(r.args) for r in rows})
     timer = StepTimer()
-    times = {name: [] for name in trainers}
-    losses = {name: [] for name in trainers}
-    peak = {name: None for name in trainers}
+    times = {name: [] for name in runs}
+    losses = {name: [] for name in runs}
+    peak = {name: None for name in runs}
     for i in range(warmup + reps):
-        for name, trainer in trainers.items():
+        for name, run in runs.items():
             dist.barrier()
             if timer.cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 resident = torch.cuda.memory_allocated()
-            result, seconds = timer.time(trainer.train_step)
-            losses[name].append(result.loss)
+            outcome, seconds = timer.time(run.train_step)
+            losses[name].append(float(outcome.loss_dict["lm loss"]))
             if i >= warmup:
                 times[name].append(seconds)
                 if timer.cuda:
                     step_peak = torch.cuda.max_memory_allocated() - resident
                     peak[name] = max(peak[name] or 0, step_peak)
-    first = next(iter(trainers.values())).args
-    return {"rank": ctx.rank, "times": times, "losses": losses, "peak_bytes": peak,
-            "timing": timer.kind, "device": device_name(),
-            "flops_per_step": megatron_flops_per_step(first, dist.get_world_size()),
-            "world_size": dist.get_world_size(), "bf16": bool(first.bf16)}
+    first = next(iter(runs.values())).args
+    result = {"rank": ctx.rank, "times": times, "losses": losses, "peak_bytes": peak,
+              "timing": timer.kind, "device": device_name(),
+              "flops_per_step": megatron_flops_per_step(first),
+              "world_size": dist.get_world_size(), "bf16": bool(first.bf16)}
+    close_all_runs()
+    return result
 
 
 def check_losses(rows: list, losses: dict, bf16: bool) -> list:
@@ -243,13 +246,13 @@ def main(argv=None) -> int:
         print("error: --reps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
     rows = rows_for(ns.dhelix_rows_attention)
-    from dhelix.arguments import ArgumentError, parse_args
+    from dhelix.bench.systems import RUN_ARGS, ArgumentsRefused, parse_megatron_args
     from dhelix.harness import run_on_ranks
 
     try:
         for row in rows:
-            parse_args(model + list(row.args), world_size=1)
-    except ArgumentError as exc:
+            parse_megatron_args([*RUN_ARGS, *model, *row.args], 1)
+    except ArgumentsRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results = run_on_ranks(bench_body, 1, model, rows, reps, warmup, timeout_s=ns.timeout)

@@ -29,15 +29,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dhelix.bench.systems import tiny_model  # noqa: E402 (after the path insert)
+
 LAUNCHER = ROOT / "scripts" / "emulated_cluster.py"
 # Communication measured 19% (a) and 49% (b) of Megatron's step at 800 Mbit/s (docs/benchmark.md).
+# Megatron's arguments; every run adds `dhelix.bench.systems.RUN_ARGS` (mock data, no
+# dropout, no evaluation) before them. The profile (`dhelix profile`) gets these alone
+# (with the layout's), so they name --train-iters.
 DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
                  "--seq-length", "256", "--max-position-embeddings", "256",
                  "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1000"]
 # --quick profiles a handful of pairs once: enough to exercise the path, not to plan well.
 QUICK_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "1", "--max-pairs", "8"]
-QUICK_MODEL = ["--preset", "tiny", "--num-layers", "4", "--global-batch-size", "4",
-               "--train-iters", "1000"]
+# the tiny model (configs/tiny.json) with a global batch of 4
+QUICK_MODEL = [*tiny_model(global_batch_size=4), "--train-iters", "1000"]
 
 
 def per_config(values: list, option: str, configs: list) -> dict:
@@ -150,9 +155,9 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
 
 
 def _tokens_per_step(base: list, world_size: int) -> int:
-    from dhelix.arguments import parse_args
+    from dhelix.bench.systems import RUN_ARGS, parse_megatron_args
 
-    args = parse_args(base, world_size=world_size)
+    args = parse_megatron_args([*RUN_ARGS, *base], world_size)
     return args.global_batch_size * args.seq_length
 
 
@@ -264,7 +269,7 @@ def main(argv=None) -> int:
                              "give DHelix the analytic-cost plan")
     parser.add_argument("--out", default="bench_out", help="output directory")
     parser.add_argument("--quick", action="store_true",
-                        help="a tiny case (for the test): 2-layer tiny model, 1 repetition")
+                        help="a tiny case (for the test): 4-layer tiny model, 1 repetition")
     parser.add_argument("--timeout", type=int, default=1800,
                         help="seconds per configuration before the cluster is stopped")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

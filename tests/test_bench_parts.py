@@ -1,17 +1,19 @@
 """The benchmark's parts that need no cluster: system planning per configuration, the
 per-configuration option syntax, and the report (hidden share, n/a rows, markdown, chart)."""
 
+import functools
 import math
 
 import pytest
 
 from dhelix.bench.report import bar_chart, markdown, summarise_config
-from dhelix.bench.systems import CONFIGS, SYSTEMS, plan_system
+from dhelix.bench.systems import CONFIGS, SYSTEMS, plan_system, tiny_model
 from scripts.bench_systems import per_config
 
-MODEL = ["--preset", "tiny"]
+MODEL = tiny_model()
 
 
+@functools.lru_cache(maxsize=None)  # each planning parses Megatron's arguments (~0.2 s)
 def _runs(config, profile=None):
     return {s.name: plan_system(s, CONFIGS[config], MODEL, profile) for s in SYSTEMS}
 

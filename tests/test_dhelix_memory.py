@@ -3,13 +3,13 @@ x 1.03 plus one layer's saved activations plus the tied word-embedding gradient 
 output layer's backward hands over to the embedding's (`megatron_patches.tied_embedding`:
 one vocab/TP x hidden fp32 tensor held per micro-batch, so the two halves are summed as
 stock's single backward sums them) (tensor storage allocated by the compute thread,
-dhelix.memtrace), on the tiny preset with TP=2 + SP and 4 micro-batches. Both systems share
-Megatron's groups in the benchmark's process and start from the same weights and data: their
-first steps' losses agree."""
+dhelix.memtrace), on the tiny model with TP=2 + SP and 4 micro-batches. Both systems are
+`megatron.training.pretrain` set-ups in the benchmark's process (the step harness), share
+Megatron's groups and start from the same weights and data: their first steps' losses agree."""
 
 import pytest
 
-from dhelix.arguments import load_preset
+from dhelix.bench.systems import tiny_model
 from dhelix.harness import run_on_ranks
 from scripts.bench_dhelix_pp1 import bench_body
 
@@ -20,13 +20,15 @@ TP = 2
 
 
 def test_dhelix_peak_memory_within_bound():
-    preset = load_preset("tiny")
-    tied_gradient_bytes = preset["vocab_size"] // TP * preset["hidden_size"] * 4  # fp32
-    args = ["--preset", "tiny", "--tensor-model-parallel-size", str(TP), "--sequence-parallel",
+    model = tiny_model()
+    hidden = int(model[model.index("--hidden-size") + 1])
+    args = [*model, "--tensor-model-parallel-size", str(TP), "--sequence-parallel",
             "--seq-length", "128", "--max-position-embeddings", "128"]
     results = run_on_ranks(bench_body, 2, args, 1, 0, timeout_s=480,
                            env={"OMP_NUM_THREADS": "1"})
     for r in results:
+        # Megatron's padded vocabulary, split over TP, x hidden, fp32
+        tied_gradient_bytes = r["padded_vocab_size"] // TP * hidden * 4
         megatron, dhelix = r["memory"]["megatron"], r["memory"]["dhelix"]
         bound = megatron * 1.03 + r["layer_activation_bytes"] + tied_gradient_bytes
         print(f"rank {r['rank']}: megatron {megatron / 2**20:.2f} MiB, dhelix "

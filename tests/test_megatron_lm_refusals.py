@@ -113,6 +113,12 @@ def test_validated_run_is_typed(monkeypatch):
     assert run.model.add_bias_linear is False and run.model.dtype == "fp32"
     assert (run.parallel.pipeline_model_parallel_size, run.parallel.data_parallel_size,
             run.parallel.num_microbatches) == (2, 2, 2)
+    assert (run.options.block_barriers, run.options.layer_seams) == (True, True)  # defaults
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-no-block-barriers",
+                               "--dhelix-no-layer-seams"], validate=True)
+    assert code is None, err
+    assert (current_run().options.block_barriers, current_run().options.layer_seams) \
+        == (False, False)
 
 
 def test_refusal_through_the_launcher():

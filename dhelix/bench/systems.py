@@ -30,11 +30,72 @@ With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped s
 A system is "n/a" in a configuration when the runtime refuses it there
 (`dhelix.options.check_run`, when the arguments are parsed), with its reason: the
 Domino-style split runs without pipelining only. Adding a system is one `System` entry.
+
+Every system is one `megatron.training.pretrain` set-up of `scripts/pretrain_gpt.py` under the
+plugin (`megatron_patches.step_harness.build_run`) with Megatron's arguments: `RUN_ARGS`, then
+the model's, then the layout's, then the system's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from dataclasses import dataclass, field
+
+from dhelix.launch import PRETRAIN_SCRIPT
+# What every benchmark run adds before its model's Megatron arguments (so a model argument
+# wins): Megatron's mock data with the null tokenizer, megatron-core's local layer spec, no
+# dropout (`--dhelix` needs it), no evaluation, data loading in the rank's own process.
+RUN_ARGS = ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+            "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0",
+            "--lr", "3e-4", "--train-iters", "1000")
+
+
+def tiny_model(num_layers: int = 4, global_batch_size: int = 8) -> list:
+    """The tiny model (configs/tiny.json: hidden 128, 4 heads, sequence 64, micro-batch 2)
+    as Megatron arguments, with `num_layers` layers and a global batch of
+    `global_batch_size`."""
+    return ["--num-layers", str(num_layers), "--hidden-size", "128",
+            "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "2",
+            "--global-batch-size", str(global_batch_size)]
+
+
+class ArgumentsRefused(ValueError):
+    """Megatron's parser or the plugin refused a command line; the message is its one
+    `error:` line without the prefix."""
+
+
+def parse_megatron_args(argv: list, world_size: int):
+    """Megatron's arguments for `argv` as each of `world_size` ranks gets them from
+    `scripts/pretrain_gpt.py` under the plugin: Megatron's parser with the plugin's hooks
+    (the `--dhelix` options and refusals), then Megatron's `validate_args` (derived sizes,
+    and the plugin's `--dhelix` rules, `dhelix.options.check_run`). In this process, no
+    process group; what they print is swallowed. Raises `ArgumentsRefused` with the refusal.
+    `padded_vocab_size` is not set (the tokenizer sets it when a run starts)."""
+    from megatron.training import arguments
+
+    from dhelix.megatron_lm import install_plugin
+
+    install_plugin()
+    saved_argv = sys.argv
+    sys.argv = [str(PRETRAIN_SCRIPT), *argv]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(printed):
+            args = arguments.parse_args()
+            args.world_size, args.rank = world_size, 0
+            arguments.validate_args(args, {})
+    except SystemExit:
+        lines = [line for line in printed.getvalue().splitlines() if line.startswith("error: ")]
+        raise ArgumentsRefused(lines[-1][len("error: "):] if lines else printed.getvalue())
+    except (AssertionError, ValueError, TypeError) as exc:  # Megatron's validate_args
+        raise ArgumentsRefused(" ".join(str(exc).split()) or type(exc).__name__) from None
+    finally:
+        sys.argv = saved_argv
+    return args
 
 
 @dataclass(frozen=True)
@@ -123,9 +184,8 @@ def plan_system(system: System, config: Config, base_args: list,
                 profile: str | None) -> SystemRun:
     """The arguments `system` runs with in `config` (adding `--dhelix-profile` to the DHelix
     system when a profile is given, marking the analytic fallback otherwise), or why it
-    cannot run there. Pure argument checks: no process group needed."""
-    from dhelix.arguments import ArgumentError, parse_args
-
+    cannot run there. Pure argument checks (`parse_megatron_args` of `RUN_ARGS`, the model,
+    the layout and the system's arguments): no process group needed."""
     args = list(system.args)
     label = system.label
     if system.uses_profile:
@@ -136,8 +196,8 @@ def plan_system(system: System, config: Config, base_args: list,
             label += " (analytic-cost plan, no profile)"
     run = SystemRun(system, args, label)
     try:
-        parse_args(base_args + config.parallel_args() + args,  # checks the --dhelix rules
-                   world_size=config.world_size)
-    except ArgumentError as exc:
+        parse_megatron_args([*RUN_ARGS, *base_args, *config.parallel_args(), *args],
+                            config.world_size)
+    except ArgumentsRefused as exc:
         run.unavailable = str(exc)
     return run
