@@ -87,6 +87,27 @@ def _exit() -> None:
 
 
 @contextmanager
+def _region_hooks(model: torch.nn.Module, module_type, forward_pre, backward_pre):
+    """Hooks on every `module_type` in `model`: `forward_pre(module, args, kwargs)` and
+    `backward_pre(module, grad_output)` may open a region, the forward hook and the full
+    backward hook close the open one (`_exit`). Removed on exit."""
+    handles = []
+    for module in model.modules():
+        if isinstance(module, module_type):
+            handles += [
+                module.register_forward_pre_hook(forward_pre, with_kwargs=True),
+                module.register_forward_hook(lambda *_: _exit()),
+                module.register_full_backward_pre_hook(backward_pre),
+                module.register_full_backward_hook(lambda *_: _exit()),
+            ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
 def attention_regions(model: torch.nn.Module):
     """While open, every `DotProductAttention` in `model` charges its forward and backward
     as one region each (see the module docstring). Removes its hooks on exit (a backward
@@ -100,20 +121,8 @@ def attention_regions(model: torch.nn.Module):
         grad = grad_output[0]  # [s, b, heads x d]
         _enter(module, grad.shape[0], grad.shape[1], "bwd")
 
-    handles = []
-    for module in model.modules():
-        if isinstance(module, DotProductAttention):
-            handles += [
-                module.register_forward_pre_hook(forward_pre, with_kwargs=True),
-                module.register_forward_hook(lambda *_: _exit()),
-                module.register_full_backward_pre_hook(backward_pre),
-                module.register_full_backward_hook(lambda *_: _exit()),
-            ]
-    try:
+    with _region_hooks(model, DotProductAttention, forward_pre, backward_pre):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -156,17 +165,5 @@ def fused_norm_regions(model: torch.nn.Module):
         if mode is not None and grad is not None and fused(module, grad.dtype):
             mode.enter_region("norm.fused.bwd", fused_norm_ms(mode, grad, "bwd"))
 
-    handles = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.RMSNorm):
-            handles += [
-                module.register_forward_pre_hook(forward_pre, with_kwargs=True),
-                module.register_forward_hook(lambda *_: _exit()),
-                module.register_full_backward_pre_hook(backward_pre),
-                module.register_full_backward_hook(lambda *_: _exit()),
-            ]
-    try:
+    with _region_hooks(model, torch.nn.RMSNorm, forward_pre, backward_pre):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
