@@ -194,13 +194,15 @@ class _Calls:
             self.model = self.emulation.kernel_model()
 
     def megatron_args(self, args: list) -> list:
-        """`args`, under the emulation with the data loader's attention mask left out
+        """`args`, under the emulation with what reads tensor values left out (kernel
+        outputs are garbage under the mode): the data loader's attention mask
         (`--no-create-attention-mask-in-dataloader`: the attention builds its causal mask
-        itself): made under the mode, the loader's mask would hold garbage, which
-        `--dhelix`'s causal-mask check reads and refuses."""
+        itself; `--dhelix`'s causal-mask check would refuse a garbage one) and Megatron's
+        NaN check of the loss and gradients (`--no-check-for-nan-in-loss-and-grad`)."""
         if self.emulation is None:
             return args
-        return [*args, "--no-create-attention-mask-in-dataloader"]
+        return [*args, "--no-create-attention-mask-in-dataloader",
+                "--no-check-for-nan-in-loss-and-grad"]
 
     def building(self):
         """The context to build the runs in: none, or under the emulation a mode that charges
