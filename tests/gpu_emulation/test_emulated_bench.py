@@ -1,9 +1,10 @@
 """The benchmark under the GPU emulation (`scripts/bench_systems.py --gpu-emulation PROFILE
 --time-scale S`): the link's rate / S, the option refusals and the report's labels (pure);
 and `bench_body` on 2 gloo ranks (the tiny model, TP=2) with every system's steps under the
-mode: each call's wall time covers its modelled kernel time x S (the host waits for the
-emulated stream), every system was emulated, and nothing was computed for real in a step
-that could not be (slow: one 1-rank trace launch, one 2-rank launch)."""
+mode: each step's wall time covers its modelled kernel time x S (the host waits for the
+emulated stream), every system's steps and every other model call were emulated, and
+Megatron and the sequential operator path charge the same kernel time (slow: one 1-rank
+trace launch, one 2-rank launch, ~20 s)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_report_labels_emulated_rows():
     assert rows and all("(emulated GPU)" in line for line in rows)
 
 
-@pytest.mark.slow  # a 1-rank trace launch and a 2-rank bench launch, ~60 s
+@pytest.mark.slow  # a 1-rank trace launch and a 2-rank bench launch, ~20 s
 @pytest.mark.skipif(not H100_PROFILE.exists(), reason="needs the shared H100 profile")
 def test_bench_body_runs_every_system_under_the_emulation():
     from dhelix.bench.systems import tiny_model
