@@ -156,6 +156,11 @@ def gpu_emulation_spec(ns) -> dict | None:
                                env={"OMP_NUM_THREADS": "1"})[0]
     emulation = GpuEmulation(profile=profile, trace=trace, time_scale=ns.time_scale)
     emulation.kernel_model()  # refuse a profile the model cannot be fitted to, here
+    # the ranks (which inherit this environment): every allocation of 1 MiB or more its own
+    # mmap, so the emulation's never-written kernel outputs stay untouched zero pages; with
+    # glibc's adaptive threshold they come from the heap, reusing written pages (a rank at
+    # Llama-8B layer shapes reached 11.7 GB resident and was killed)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     return {"profile": profile, "trace": trace, "time_scale": ns.time_scale,
             "overlap_slowdown": emulation.overlap_slowdown}
 
