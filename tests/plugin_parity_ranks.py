@@ -211,21 +211,22 @@ def pp1_parity(ctx, cases: dict, steps: int = 2, refusals: dict | None = None) -
     built once and stepped `steps` times.
     Then each of `refusals` NAME -> DHelix arguments (added to `TINY + SGD`) is built and
     must be refused: report[NAME] = `refused_run`. Returns the report on every rank."""
-    from megatron_patches.step_harness import build_run
+    from megatron_patches.step_harness import build_run, close_all_runs
 
     shared = {}  # the cases of one stock command line, in order
     for name, case in cases.items():
         shared.setdefault(case.megatron, []).append(name)
     report = {}
-    for names in shared.values():
-        # the stock run stays alive while its cases run: they share its process groups
-        stock = build_run(SCRIPT, cases[names[0]].stock_argv())
-        try:
+    try:
+        for names in shared.values():
+            # stock runs stay alive to the end: every later run of their layout reuses
+            # Megatron's process groups instead of creating them again
+            stock = build_run(SCRIPT, cases[names[0]].stock_argv())
             ref = _reference(stock, steps)
             for name in names:
                 report[name] = _dhelix_case(cases[name], ref, steps)
-        finally:
-            stock.close()
+    finally:
+        close_all_runs()
     for name, extra in (refusals or {}).items():
         report[name] = refused_run([*TINY, *TRAIN_ITERS, *SGD, *extra])
     dist.barrier()
