@@ -20,8 +20,9 @@ from dhelix.parallel import (
     init_megatron_parallel_state,
     init_process_group_from_env,
 )
-from dhelix.parity import gather_full_tensors, max_abs_diff
+from dhelix.parity import gather_full_tensors
 from dhelix.training import Trainer, forward_step, reduce_loss_to_all_ranks
+from tests.plugin_parity_ranks import compare_steps
 
 
 def tiny_args(tp=1, pp=1, sp=False, distopt=False, extra=()):
@@ -83,18 +84,6 @@ def engine_record(trainer: Trainer) -> list[dict]:
     return everyone
 
 
-def compare_steps(ref: list[dict], got: list[dict]) -> list[dict]:
-    """Per step: |loss diff|, max abs grad diff (if both have grads), max abs param diff."""
-    report = []
-    for r, g in zip(ref, got):
-        row = {"loss_ref": r["loss"], "loss": g["loss"], "loss_diff": abs(r["loss"] - g["loss"])}
-        if r["grads"] is not None and g["grads"] is not None:
-            row["grad_diff"], row["grad_key"] = max_abs_diff(r["grads"], g["grads"])
-        row["param_diff"], row["param_key"] = max_abs_diff(r["params"], g["params"])
-        report.append(row)
-    return report
-
-
 def untag_sequence_parallel_norms(trainer: Trainer) -> int:
     """Negative control for the SP LayerNorm trap: drop the `sequence_parallel` tag from
     the norm parameters, as a naively built torch norm would. Returns how many."""
@@ -154,62 +143,6 @@ def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) ->
             with_grads = not args.use_distributed_optimizer
             got = [observed_step(trainer, with_grads) for _ in expected]
             report[name] = compare_steps(expected, got)
-    destroy_parallel_state()
-    dist.barrier()
-    return report
-
-
-def _plan_with_a_seam(trainer) -> None:
-    """Give the DHelix trainer's layer runner a legal plan whose layer pairs meet at a seam
-    (`planner.blocks.layer_seam`), from its own strand orders: the forward up to its first
-    collective alone; the rest of the forward with the backward up to its first collective;
-    the backward up to its last collective alone; the rest alone. (The analytic-cost plans of
-    the tiny preset have no seam; profiled plans on the emulated cluster do.)"""
-    from planner.blocks import Block, Pairing, check_pairing, layer_seam
-
-    runner = trainer.dhelix.runner
-    dags = runner.bound_layers[0].programs.dags()
-    ops_f, ops_b = dags["fwd"].by_id(), dags["bwd"].by_id()
-    f, b = list(runner.fwd_order), list(runner.bwd_order)
-    first_f = next(i for i, o in enumerate(f) if ops_f[o].kind == "comm")
-    first_b = next(i for i, o in enumerate(b) if ops_b[o].kind == "comm")
-    last_b = max(i for i, o in enumerate(b) if ops_b[o].kind == "comm")
-    blocks = [Block(f[:first_f], ()), Block(f[first_f:], b[:first_b]),
-              Block((), b[first_b:last_b]), Block((), b[last_b:])]
-    check_pairing(dags["fwd"], dags["bwd"], Pairing(f, b, blocks))
-    runner.blocks = tuple(blocks)
-    runner.seam = layer_seam(blocks, ops_f, ops_b)
-    assert runner.seam is not None and (runner.seam.head, runner.seam.tail) == (1, 2)
-
-
-def dhelix_parity(ctx, cases: dict, steps: int = 2, extra_args=()) -> dict:
-    """For each case {name: {"tp", "sp", "pairer"}}: Megatron's no-pipelining schedule and
-    the DHelix schedule from the same initial weights (same seed, same layout) and data;
-    per-step comparison rows, plus the plan's block count."""
-    job = init_process_group_from_env()
-    report = {}
-    for name, spec in cases.items():
-        base = ["--optimizer", "sgd", "--lr", "0.05", *extra_args, *spec.get("extra", ())]
-        args = tiny_args(tp=spec["tp"], sp=spec.get("sp", False), extra=base)
-        ref = build_trainer(args, job)
-        ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
-        dargs = tiny_args(tp=spec["tp"], sp=spec.get("sp", False),
-                          extra=base + ["--dhelix", "--dhelix-pairer", spec["pairer"],
-                                        *spec.get("dhelix_extra", ())])
-        trainer = build_trainer(dargs, job)
-        if spec.get("seam"):
-            _plan_with_a_seam(trainer)
-        got = [observed_step(trainer, with_grads=True) for _ in range(steps)]
-        trained = engine_record(trainer)
-        eval_diff = abs(eval_loss(ref) - eval_loss(trainer))
-        report[name] = {"rows": compare_steps(ref_steps, got),
-                        "executed": {"train": trained, "eval": engine_record(trainer)},
-                        "eval_loss_diff": eval_diff,
-                        "blocks": len(trainer.dhelix.runner.blocks),
-                        "plan_source": trainer.dhelix.plan_source,
-                        "num_microbatches": dargs.num_microbatches,
-                        "seam": trainer.dhelix.runner.seam is not None,
-                        "describe": trainer.dhelix.describe()}
     destroy_parallel_state()
     dist.barrier()
     return report

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from profiler.cli import add_options, profile_job, report
 from profiler.session import load_partial, partial_path
-from tests.foundation_ranks import dhelix_parity
+from tests.plugin_parity_ranks import ParityCase, pp1_parity
 
 MEGATRON = ["--preset", "tiny", "--tensor-model-parallel-size", "2"]
 
@@ -49,6 +49,7 @@ def profile_resume_and_train(ctx, workdir: str, options: list, stop_after: int) 
     out["second_pairs"] = dict(second.pairs)
     out["partial_left"] = partial_path(resumed).exists()
 
-    out["parity"] = dhelix_parity(ctx, {"tp2_from_profile": dict(
-        tp=2, pairer="dp", dhelix_extra=("--dhelix-profile", str(full)))})
+    out["parity"] = pp1_parity(ctx, {"tp2_from_profile": ParityCase(
+        ("--tensor-model-parallel-size", "2"),
+        ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-profile", str(full)))})
     return out
