@@ -111,16 +111,19 @@ _RUN_DEFAULTS = (
     (("--train-iters", "--train-samples"), ["--train-iters", "1"]),
     (("--mock-data", "--data-path", "--train-data-path", "--data-args-path",
       "--per-split-data-args-path"), ["--mock-data"]),
+    (("--eval-iters",), ["--eval-iters", "0"]),
+    (("--eval-interval",), ["--eval-interval", "1"]),  # pretrain() divides by it
+    (("--num-workers",), ["--num-workers", "0"]),  # no data-loader processes
     (("--transformer-impl",), ["--transformer-impl", "local"]),  # the spec dhelix binds
 )
 # the options of a --dhelix training run, which a profile is taken for, not with
 _TRAINING_ONLY = ("dhelix", "dhelix_plan", "dhelix_profile")
 
 
-def megatron_command(args, megatron_argv: list):
-    """(argv for `megatron_patches.step_harness.build_run`, Megatron's validated arguments
-    for the user's command line) on this rank, before any process group or model exists.
-    The argv is the user's Megatron arguments (`--preset` expanded first, as `dhelix train`
+def megatron_command(args, megatron_argv: list) -> list:
+    """The argv for `megatron_patches.step_harness.build_run`, checked on this rank (by
+    Megatron's parser and validation under the plugin) before any process group or model
+    exists. It is the user's Megatron arguments (`--preset` expanded first, as `dhelix train`
     does), what `pretrain()` needs to start that they left out (`_RUN_DEFAULTS`), and one
     layer per pipeline stage (`--num-layers PP`). Refusals: SystemExit after Megatron's or
     the plugin's one `error:` line; `ArgumentError` (bad preset, `--dhelix` options),
@@ -145,7 +148,7 @@ def megatron_command(args, megatron_argv: list):
     for options, defaults in _RUN_DEFAULTS:
         if not words.intersection(options):
             argv += defaults
-    return argv + ["--num-layers", str(margs.pipeline_model_parallel_size)], margs
+    return argv + ["--num-layers", str(margs.pipeline_model_parallel_size)]
 
 
 def profile_job(args, megatron_argv: list):
@@ -167,8 +170,7 @@ def profile_job(args, megatron_argv: list):
 
     options = ProfileOptions(warmup=args.warmup, repeats=args.repeats,
                              max_pairs=args.max_pairs, comp_only=args.comp_only)
-    argv, _ = megatron_command(args, megatron_argv)
-    run = build_run(str(PRETRAIN_SCRIPT), argv)
+    run = build_run(str(PRETRAIN_SCRIPT), megatron_command(args, megatron_argv))
     try:
         with run.active():
             margs = run.args

@@ -293,3 +293,29 @@ def test_profile_command_errors(tmp_path):
                              timeout=120)
     assert missing.returncode == 2 and "no such file" in missing.stderr
     assert "dhelix profile" in missing.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    # the preset expands as for `dhelix train`: Megatron's dropout default 0.1 stays
+    (["--preset", "tiny"], "dhelix profile: error: dhelix operator programs support dropout 0 "
+                           "only"),
+    ([*TINY, "--dhelix"], "dhelix profile: error: --dhelix: the profiler measures the layer "
+                          "for a --dhelix run, not with one"),
+    ([*TINY, "--no-such-argument"], "error: unrecognized arguments: --no-such-argument"),
+    (["--preset", "no-such-preset"], "dhelix profile: error: --preset: no preset"),
+])
+def test_profile_refuses_bad_megatron_arguments_before_launching(argv, message, tmp_path,
+                                                                  monkeypatch, capsys):
+    """Megatron's parser and validation (under the plugin) and the layer's refusals run
+    before any process group or model exists: one `error:` line, exit code 2, no file."""
+    import torch.distributed as dist
+
+    from profiler.cli import main
+
+    monkeypatch.setenv("RANK", "0")  # rank 0 of torchrun's world of 2 (TINY has TP=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "p.json"
+    assert main([*argv, "-o", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not dist.is_initialized() and not list(tmp_path.iterdir())
