@@ -35,6 +35,9 @@ def launch(tmp_path_factory):
                            STEPS, timeout_s=540, env={"OMP_NUM_THREADS": "1"})
     print(f"full tiny profile on 2 gloo ranks: {results[0]['full_wall_s']:.1f} s "
           f"({len(results[0]['full_pairs'])} pairs)")
+    print("plugin run planned from it, per step (loss diff, grad diff, param diff): "
+          + ", ".join(f"({r['loss_diff']:.2g}, {r['grad_diff']:.2g}, {r['param_diff']:.2g})"
+                      for r in results[0]["plugin"]["rows"]))
     return workdir, results
 
 
