@@ -1,34 +1,37 @@
-"""Megatron-style command-line arguments for `scripts/dhelix_trainer.py`.
+"""Megatron-style command-line arguments of dhelix's look-alike trainer (`parse_args`,
+`trainer_run`), kept only while these still build their model through it:
+`dhelix/training.py`, the benchmark (`scripts/bench_systems.py`, `scripts/bench_dhelix_pp1.py`,
+`scripts/bench_gpu.py`, `dhelix/bench/`, `tests/test_dhelix_memory.py`), the profiler CLI
+(`profiler/cli.py`), `dhelix ops` (`dhelix/ops/`) and the parity matrices
+(`tests/foundation_ranks.py`, `tests/test_dhelix_pp1.py`, `tests/ops/`, `tests/profiler/`).
+It goes with them; users train through the Megatron-LM plugin (`dhelix.megatron_lm`,
+`dhelix train`), whose `--dhelix*` arguments are `dhelix.dhelix_arguments` and whose presets
+are `dhelix.presets` (re-exported here, with `ArgumentError`, for those callers).
 
-Argument names and meanings follow Megatron-LM's `megatron/training/arguments.py` for what
-dhelix supports. `--preset NAME|PATH` (a dhelix addition) loads defaults from `configs/`;
-arguments given on the command line override the preset.
-
-`parse_args` checks every value (ranges and paths, `dhelix.input_checks`) and every size
-relation (`validate_args`) before any process group exists, and raises `ArgumentError` with
-a one-line message naming the argument and the fix.
+Argument names and meanings follow Megatron-LM's `megatron/training/arguments.py`.
+`--preset NAME|PATH` loads defaults from `configs/`; arguments given on the command line
+override the preset. `parse_args` checks every value (ranges and paths,
+`dhelix.input_checks`) and every size relation (`validate_args`) before any process group
+exists, and raises `ArgumentError` with a one-line message naming the argument and the fix.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
-from dhelix.input_checks import (  # ArgumentError is re-exported: callers import it from here
-    ArgumentError,
-    check_dhelix_files,
+from dhelix.argument_error import ArgumentError
+from dhelix.dhelix_arguments import add_dhelix_runtime_args, check_dhelix_files
+from dhelix.input_checks import (
     check_ranges,
     check_readable_dir,
-    check_readable_file,
     check_text_data_file,
     check_writable_dir,
     check_writable_file,
 )
-from dhelix.options import ATTENTION_CHOICES, PAIRERS, DHelixRun, run_from_args
+from dhelix.options import DHelixRun, run_from_args
+from dhelix.presets import load_preset
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # A stalled rank fails the job within a minute on dhelix's small runs (Megatron: 10).
 DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 0.75
 
@@ -109,49 +112,6 @@ def _add_dhelix_args(p: argparse.ArgumentParser) -> None:
                    help="also write one JSON record per logged iteration to this file (rank 0)")
 
 
-def add_dhelix_runtime_args(p: argparse.ArgumentParser):
-    """Add the `--dhelix*` arguments of the DHelix runtime (`dhelix.runtime.setup`) to `p`
-    in a group "dhelix", which is returned. Used by this trainer's parser and by the
-    Megatron-LM plugin (`dhelix.megatron_lm`) on Megatron's own parser."""
-    g = p.add_argument_group("dhelix")
-    g.add_argument("--dhelix", action="store_true",
-                   help="co-execute micro-batch pairs (one forward with another's backward)")
-    g.add_argument("--dhelix-plan", type=str, default=None,
-                   help="plan file (dhelix plan ...); default: build one at start-up")
-    g.add_argument("--dhelix-profile", type=str, default=None,
-                   help="profile to plan from (dhelix profile ...); default: analytic costs")
-    g.add_argument("--dhelix-pairer", choices=PAIRERS,
-                   default="dp",
-                   help="how operators are paired (default dp): dp|sequential|round_robin pair "
-                        "one micro-batch's forward with another's backward (DHelix and its "
-                        "baselines); domino splits each micro-batch in two batch halves and "
-                        "staggers them layer by layer (Domino-style baseline, no planning)")
-    g.add_argument("--dhelix-block-barriers", action="store_true", default=True,
-                   help="wait for every block's collectives before the next block starts, as "
-                        "the planner's cost model assumes (the default)")
-    g.add_argument("--dhelix-no-block-barriers", dest="dhelix_block_barriers",
-                   action="store_false",
-                   help="wait only at the end of each layer pair: a block's collectives may "
-                        "still be in flight when the next block starts (readers wait for what "
-                        "they read); measured slower on the emulated cluster "
-                        "(docs/benchmark.md)")
-    g.add_argument("--dhelix-no-layer-seams", dest="dhelix_layer_seams",
-                   action="store_false", default=True,
-                   help="run the layer pairs of an SI block strictly one after the other; by "
-                        "default a pair's trailing backward-only blocks run together with the "
-                        "next pair's leading forward-only blocks (docs/runtime.md)")
-    g.add_argument("--dhelix-attention", choices=ATTENTION_CHOICES, default="megatron",
-                   help="core attention of the local layer spec (default megatron): megatron "
-                        "is megatron-core's unfused DotProductAttention, sdpa torch's "
-                        "scaled_dot_product_attention (fused kernels on CUDA, causal masks "
-                        "only); applies with and without --dhelix "
-                        "(megatron_patches.sdpa_attention)")
-    g.add_argument("--dhelix-commfree-timing-only", action="store_true",
-                   help="BENCHMARK ONLY: replace every TP collective of the layers with a "
-                        "no-op (timing only, wrong numerics: the communication-free bound)")
-    return g
-
-
 def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fault tolerance")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
@@ -177,8 +137,8 @@ def _validate_fault_tolerance_args(ns: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dhelix_trainer.py",
-        description="Megatron-core GPT pretraining (run under torchrun).",
+        prog="dhelix.arguments",
+        description="Megatron-style arguments of dhelix's look-alike trainer.",
         allow_abbrev=False,
     )
     _add_model_args(p)
@@ -188,29 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dhelix_args(p)
     _add_fault_tolerance_args(p)
     return p
-
-
-def load_preset(name_or_path: str) -> dict:
-    """Preset values keyed by argparse dest (dashes or underscores accepted in the file).
-
-    A bare name (no suffix, no directory) is `configs/NAME.json`; anything else is a file
-    path. Raises ArgumentError unless it is a readable JSON object."""
-    path = Path(name_or_path)
-    if not path.suffix and "/" not in name_or_path:
-        path = CONFIGS_DIR / f"{name_or_path}.json"
-        if not path.is_file():
-            known = sorted(q.stem for q in CONFIGS_DIR.glob("*.json"))
-            raise ArgumentError(f"--preset: no preset '{name_or_path}' (known: "
-                                f"{', '.join(known)}; or give a JSON file path)")
-    check_readable_file("--preset", str(path))
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArgumentError(f"--preset: {path} is not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ArgumentError(f"--preset: {path} must hold a JSON object of argument values, "
-                            f"found {type(raw).__name__}")
-    return {k.replace("-", "_"): v for k, v in raw.items() if not k.startswith("_")}
 
 
 def _preset_value(action: argparse.Action, key: str, value, preset: str):
@@ -251,9 +188,7 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise ArgumentError(
-            f"unrecognized arguments: {' '.join(unknown)} (see dhelix_trainer.py --help)"
-        )
+        raise ArgumentError(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.preset:
         preset = load_preset(ns.preset)
         actions = {a.dest: a for a in parser._actions}

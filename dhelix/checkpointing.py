@@ -63,15 +63,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or incompatible with the current run."""
 
 
-def remove_incomplete_saves(root: str | os.PathLike) -> list[Path]:
-    """Delete `iter_XXXXXXX.tmp` directories under `root` (saves that never finished, e.g.
-    a killed run) and return them. Call on one rank, before this run's first save."""
-    stale = sorted(p for p in Path(root).glob("iter_*.tmp") if p.is_dir())
-    for path in stale:
-        shutil.rmtree(path)
-    return stale
-
-
 def latest_iteration(root: str | os.PathLike) -> int:
     """Iteration named by the tracker file; raises CheckpointError if there is none."""
     tracker = Path(root) / TRACKER

@@ -1,13 +1,14 @@
-"""Checks of single argument values for `scripts/dhelix_trainer.py`: number ranges and paths.
+"""Checks of single argument values for the look-alike trainer's parser (`dhelix.arguments`):
+number ranges and paths. Only `dhelix.arguments` uses this module; it goes with it.
 
 Everything here runs before any process group exists and touches nothing on disk that
 outlives the check (a writability probe is an unnamed temporary file, removed at once).
 Each failure raises `ArgumentError` with one line naming the argument, the value and the
 fix. Relations between arguments (divisibility, world size) live in `dhelix.arguments`.
 
-`RANGES` is the one table of sign/range constraints: every int and float argument of the
-parser has an entry (tests/test_input_checks.py enforces that), so a new numeric argument
-must say what it accepts.
+`RANGES` is the one table of sign/range constraints of that parser's int and float
+arguments. `ArgumentError` and the readable-file check live in `dhelix.argument_error`
+(the plugin and `dhelix train` use them too).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dhelix.argument_error import (
+    ArgumentError,
+    check_readable_file,
+    flag,
+    probe_path,
+    stat_path,
+)
+
 # Bytes read at a time when checking that a --data-path file is text.
 _TEXT_CHUNK = 1 << 20
-
-
-class ArgumentError(ValueError):
-    """Bad command-line input; the message is one line that names the argument and the fix."""
 
 
 @dataclass(frozen=True)
@@ -106,11 +111,6 @@ RANGES: dict[str, Bound] = {
 }
 
 
-def flag(dest: str) -> str:
-    """The command-line spelling of an argparse dest: 'micro_batch_size' -> '--micro-batch-size'."""
-    return "--" + dest.replace("_", "-")
-
-
 def check_ranges(ns: argparse.Namespace) -> None:
     """Every argument in `RANGES` that is set (not None) lies in its bound."""
     for dest, bound in RANGES.items():
@@ -121,45 +121,14 @@ def check_ranges(ns: argparse.Namespace) -> None:
 
 # ---- paths -------------------------------------------------------------------------------
 
-def _stat(option: str, path: str, missing: str) -> os.stat_result:
-    """os.stat(path); ArgumentError `missing` when it does not exist, or when it cannot be
-    reached."""
-    try:
-        return os.stat(path)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        raise ArgumentError(f"{option} {path}: {missing}") from exc
-    except OSError as exc:
-        raise ArgumentError(f"{option} {path}: cannot be read ({exc.strerror}); "
-                            "fix the permissions on its path") from exc
-
-
-def _probe(option: str, path: str, attempt, problem: str, fix: str) -> None:
-    """Run `attempt()`; an OSError becomes ArgumentError '{option} {path}: {problem}
-    (reason); {fix}'."""
-    try:
-        attempt()
-    except OSError as exc:
-        raise ArgumentError(f"{option} {path}: {problem} ({exc.strerror}); {fix}") from exc
-
-
-def check_readable_file(option: str, path: str) -> Path:
-    """`path` is an existing regular file this process can open for reading."""
-    p = Path(path)
-    if not stat.S_ISREG(_stat(option, path, "no such file; check the path").st_mode):
-        raise ArgumentError(f"{option} {path}: is a directory or special file; give a file")
-    _probe(option, path, lambda: open(p, "rb").close(), "cannot be read",
-           "fix its permissions")
-    return p
-
-
 def check_readable_dir(option: str, path: str, what: str = "directory") -> Path:
     """`path` is an existing directory this process can list."""
     p = Path(path)
     missing = f"no such {what}; check the path or drop {option}"
-    if not stat.S_ISDIR(_stat(option, path, missing).st_mode):
+    if not stat.S_ISDIR(stat_path(option, path, missing).st_mode):
         raise ArgumentError(f"{option} {path}: is a file, not a {what}; check the path or "
                             f"drop {option}")
-    _probe(option, path, lambda: os.listdir(p), "cannot be read", "fix its permissions")
+    probe_path(option, path, lambda: os.listdir(p), "cannot be read", "fix its permissions")
     return p
 
 
@@ -201,7 +170,7 @@ def check_writable_file(option: str, path: str) -> None:
         if not os.path.isfile(p):
             raise ArgumentError(f"{option} {path}: is a directory or special file; give a "
                                 "file path")
-        _probe(option, path, lambda: open(p, "ab").close(), "cannot be written",
+        probe_path(option, path, lambda: open(p, "ab").close(), "cannot be written",
                "fix its permissions or give another file")
         return
     parent = p.absolute().parent
@@ -242,27 +211,3 @@ def check_text_data_file(option: str, path: str, min_bytes: int, needed_for: str
     except UnicodeDecodeError as exc:
         raise ArgumentError(f"{option} {path}: not UTF-8 text (cut-off character at the "
                             "end); give a UTF-8 text file") from exc
-
-
-def check_dhelix_files(ns: argparse.Namespace) -> None:
-    """--dhelix-plan / --dhelix-profile, before anything is built: each given only with
-    --dhelix, an existing regular file this process can read, holding a valid dhelix plan /
-    profile of the format version this dhelix reads (whether it fits this run's model,
-    layout and hardware is checked once the model exists, `dhelix.runtime.setup`). Used by
-    `dhelix.arguments` and by the plugin's argument hook (`dhelix.megatron_lm_checks`)."""
-    from dhelix.file_formats import FormatError
-    from planner.plan import load_plan
-    from profiler.profile_file import load_profile
-
-    for dest, load in (("dhelix_plan", load_plan), ("dhelix_profile", load_profile)):
-        path = getattr(ns, dest, None)
-        if path is None:
-            continue
-        if not ns.dhelix:
-            raise ArgumentError(f"{flag(dest)} needs --dhelix (without it the file would be "
-                                f"ignored); add --dhelix or drop {flag(dest)}")
-        check_readable_file(flag(dest), path)
-        try:
-            load(path)
-        except FormatError as exc:
-            raise ArgumentError(f"{flag(dest)} {exc}") from None

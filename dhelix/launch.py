@@ -71,8 +71,8 @@ def register(subparsers) -> None:
 
 def preset_arguments(preset: str, megatron_args: list[str]) -> list[str]:
     """`preset`'s values as Megatron arguments, leaving out those `megatron_args` gives.
-    Raises ArgumentError for an unknown or unreadable preset (`dhelix.arguments`)."""
-    from dhelix.arguments import load_preset
+    Raises ArgumentError for an unknown or unreadable preset (`dhelix.presets`)."""
+    from dhelix.presets import load_preset
 
     given = {word.split("=", 1)[0] for word in megatron_args if word.startswith("--")}
     expanded = []
@@ -166,7 +166,7 @@ def _first_error(path: Path) -> str | None:
 
 
 def run(args) -> int:
-    from dhelix.arguments import ArgumentError
+    from dhelix.argument_error import ArgumentError
 
     megatron_args = list(args.extra_args)
     problem = _launcher_problem(args)

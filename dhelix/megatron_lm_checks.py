@@ -84,20 +84,18 @@ def check_plugin_args(args, dhelix_refusals: bool = True) -> None:
     """Raise `UnsupportedArgument` for the first problem of a plugin run's arguments, with
     or without `--dhelix`: `--dhelix-plan`/`--dhelix-profile` without `--dhelix`, missing,
     not a file, unreadable, corrupt or of another format version
-    (`dhelix.input_checks.check_dhelix_files`); with `--dhelix` and `dhelix_refusals`,
+    (`dhelix.dhelix_arguments.check_dhelix_files`); with `--dhelix` and `dhelix_refusals`,
     every refusal of `check_dhelix_args` and a `--num-layers` the folded model cannot split
-    (`dhelix.folding.FoldedLayout`: before Megatron's own layer assertions)."""
-    from dhelix.folding import FoldedLayout, FoldingError, uses_folded_model
-    from dhelix.input_checks import ArgumentError, check_dhelix_files
+    (`dhelix.options.folding_problem`: before Megatron's own layer assertions)."""
+    from dhelix.argument_error import ArgumentError
+    from dhelix.dhelix_arguments import check_dhelix_files
+    from dhelix.options import folding_problem
 
     if args.dhelix and dhelix_refusals:
         check_dhelix_args(args)
-        if uses_folded_model(args):
-            try:
-                FoldedLayout(args.num_layers, args.pipeline_model_parallel_size)
-            except FoldingError as exc:
-                raise UnsupportedArgument(f"--dhelix with --pipeline-model-parallel-size > 1 "
-                                          f"folds the model into a U: {exc}") from None
+        problem = folding_problem(args.num_layers, args.pipeline_model_parallel_size)
+        if problem is not None:
+            raise UnsupportedArgument(problem)
     try:
         check_dhelix_files(args)
     except ArgumentError as exc:

@@ -8,7 +8,8 @@ Where they are built:
 - Megatron-LM plugin: `megatron_patches.run_options.run_from_megatron_args`, right after
   Megatron's `validate_args` (so after `--use-checkpoint-args` loaded the checkpoint's
   arguments, and with Megatron's derived sizes).
-- dhelix's look-alike trainer: `dhelix.arguments.trainer_run`.
+- dhelix's look-alike trainer (kept while the benchmark, the profiler, `dhelix ops` and
+  the parity matrices still build their model through it): `dhelix.arguments.trainer_run`.
 
 `DHelixRun` checks the rules that tie the `--dhelix*` options to the model and layout when
 it is built (`check_run`, the one place they are checked): building an unsupported run
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from dhelix.input_checks import ArgumentError
+from dhelix.argument_error import ArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class OptionError(ArgumentError):
 
 @dataclass(frozen=True)
 class DHelixOptions:
-    """Every `--dhelix*` option (`dhelix.arguments.add_dhelix_runtime_args`), with its
+    """Every `--dhelix*` option (`dhelix.dhelix_arguments.add_dhelix_runtime_args`), with its
     default. Field = option without the `--dhelix-` prefix."""
 
     enabled: bool = False  # --dhelix: co-execute micro-batch pairs
@@ -153,6 +154,20 @@ def run_from_args(args, *, add_bias_linear: bool, num_query_groups: int,
     return DHelixRun(DHelixOptions.from_args(args), model, parallel)
 
 
+def folding_problem(num_layers: int, pipeline_model_parallel_size: int) -> str | None:
+    """The one-line refusal when `--dhelix` cannot fold NUM_LAYERS over the pipeline stages
+    (PP > 1: two chunks per stage, so a multiple of 2 x PP), else None. The one statement of
+    the rule: the typed run's check (`check_run`) and the plugin's parse-time check
+    (`dhelix.megatron_lm_checks.check_plugin_args`, which must refuse before Megatron's own
+    layer assertions) both call it."""
+    pp = pipeline_model_parallel_size
+    if pp <= 1 or num_layers % (2 * pp) == 0:
+        return None
+    return (f"--dhelix with --pipeline-model-parallel-size {pp} folds the layers into a U "
+            f"(two chunks per stage): --num-layers {num_layers} must be a multiple of "
+            f"2 x {pp} = {2 * pp}")
+
+
 def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
     """(refused, message) for every rule tying the `--dhelix*` options to the run."""
     pp = parallel.pipeline_model_parallel_size
@@ -166,10 +181,8 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
            f"{model.hidden_dropout:g} and {model.attention_dropout:g}; two interleaved strands "
            "would draw dropout masks in a different order than Megatron, whose default is "
            "0.1)")
-    yield (pp > 1 and model.num_layers % (2 * pp) != 0,
-           f"--dhelix with --pipeline-model-parallel-size {pp} folds the layers into a U "
-           f"(two chunks per stage): --num-layers {model.num_layers} must be a multiple of "
-           f"2 x {pp} = {2 * pp}")
+    problem = folding_problem(model.num_layers, pp)
+    yield (problem is not None, problem)
     yield (options.domino and pp != 1,
            "--dhelix-pairer domino (intra-batch split) runs without pipelining; use "
            "--pipeline-model-parallel-size 1")

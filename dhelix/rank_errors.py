@@ -1,7 +1,7 @@
 """A rank's one-line error, reported once per job (`report_error`, `exit_with_error`):
 under `dhelix train` through the launcher's error file, else printed by rank 0, and always
 into torchrun's own error file. Used by every part that stops a run on a clear error (the
-plugin's hooks, the look-alike trainer); the launcher (`dhelix.launch`) reads the file."""
+plugin's hooks and `dhelix.megatron_lm`); the launcher (`dhelix.launch`) reads the file."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ forward/backward function is a field: with `--dhelix` it is the DHelix schedule
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -234,18 +233,3 @@ def reduce_loss_to_all_ranks(losses_reduced: list, loss_on_first_stage: bool = F
         value = value.cuda()
     dist.all_reduce(value)
     return float(value.item())
-
-
-def format_step(result: StepResult, train_iters: int) -> str:
-    """Megatron-like one-line log of an iteration."""
-    return (
-        f" iteration {result.iteration:8d}/{train_iters:8d} | "
-        f"lm loss: {result.loss:.6E} | grad norm: {result.grad_norm:.3f} | "
-        f"step time (ms): {result.step_time_s * 1e3:.1f} | "
-        f"tokens/s: {result.tokens_per_s:.1f} | "
-        f"peak mem (MiB): {result.peak_memory_bytes / 2**20:.1f}"
-    )
-
-
-def step_record(result: StepResult) -> str:
-    return json.dumps(result.__dict__)

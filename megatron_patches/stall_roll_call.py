@@ -1,6 +1,6 @@
 """Name the rank that stopped answering when a plugin run's collective times out
-(`dhelix.stall`, the old trainer's roll call, around Megatron-LM's `pretrain()`;
-megatron-core 0.19.2 tested).
+(the roll call of `dhelix.stall`, around Megatron-LM's `pretrain()`; megatron-core 0.19.2
+tested).
 
 Wraps two names of `megatron.training.training`, also where `megatron.training` re-exports
 them (pretrain scripts import `pretrain` from there):

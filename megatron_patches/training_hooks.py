@@ -3,8 +3,8 @@
 
 1. Arguments (`megatron.training.arguments.parse_args`, which `parse_and_validate_args` and
    every pretrain script call): the script's own `extra_args_provider` still runs; the
-   `--dhelix*` arguments (`dhelix.arguments.add_dhelix_runtime_args`) are added after it,
-   and a command line argparse rejects ends in one `error: ...` line, not the usage text
+   `--dhelix*` arguments (`dhelix.dhelix_arguments.add_dhelix_runtime_args`) are added
+   after it, and a command line argparse rejects ends in one `error: ...` line, not the usage text
    (`megatron_patches.argument_errors`). Every run (with or without `--dhelix`) first gets
    the adaptations its machine needs (`megatron_patches.machine_arguments`: gloo and no CUDA
    kernel fusions on CPU; on a GPU without Transformer Engine or Apex, the local spec and no
@@ -63,7 +63,7 @@ import functools
 import inspect
 from datetime import timedelta
 
-from dhelix.arguments import add_dhelix_runtime_args
+from dhelix.dhelix_arguments import add_dhelix_runtime_args
 from megatron_patches.argument_errors import one_line_parser_errors
 from megatron_patches.machine_arguments import adapt_to_this_machine
 

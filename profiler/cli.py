@@ -129,7 +129,7 @@ def megatron_command(args, megatron_argv: list) -> list:
     the plugin's one `error:` line; `ArgumentError` (bad preset, `--dhelix` options),
     `MegatronArgumentError`, `UnsupportedLayerError` (a layer the operator programs do not
     implement), each one line."""
-    from dhelix.input_checks import ArgumentError
+    from dhelix.argument_error import ArgumentError, flag
     from dhelix.launch import preset_arguments
     from dhelix.ops.describe import LayerDescription
     from megatron_patches.parsed_arguments import parse_megatron_args
@@ -140,7 +140,7 @@ def megatron_command(args, megatron_argv: list) -> list:
     margs = parse_megatron_args(argv, int(os.environ.get("WORLD_SIZE", "1")))
     given = [name for name in _TRAINING_ONLY if getattr(margs, name)]
     if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        flags = ", ".join(flag(name) for name in given)
         raise ArgumentError(f"{flags}: the profiler measures the layer for a --dhelix run, "
                             "not with one; drop them (keep --dhelix-attention)")
     LayerDescription.from_args(margs)  # the layer's refusals, before anything is launched
@@ -230,7 +230,7 @@ def run(args) -> int:
         print("dhelix profile: error: give -o PROFILE (or --show PROFILE)", file=sys.stderr)
         return 2
     from dhelix.file_formats import FormatError
-    from dhelix.input_checks import ArgumentError
+    from dhelix.argument_error import ArgumentError
     from dhelix.ops.describe import UnsupportedLayerError
 
     _single_process_env()

@@ -2,7 +2,7 @@
 """Run a torchrun command on an emulated multi-node cluster (needs root, ip and tc).
 
     scripts/emulated_cluster.py --nodes 2 --ranks-per-node 1 --bandwidth 800mbit \
-        -- scripts/dhelix_trainer.py --preset tiny --tensor-model-parallel-size 2
+        -- -m dhelix.megatron_lm scripts/pretrain_gpt.py --tensor-model-parallel-size 2 ...
 
 One network namespace per node, joined by tc-shaped veth links through a switch namespace;
 one torchrun per node; everything it created is removed again on exit, failure or Ctrl-C.

@@ -18,6 +18,7 @@ from dhelix.parallel import (
     destroy_parallel_state,
     init_megatron_parallel_state,
     init_process_group_from_env,
+    job_of_megatron_group,
 )
 from dhelix.runtime.lanes import COMM_LANES, LanePool, tensor_parallel_lanes
 from dhelix.stall import StallGuard
@@ -42,7 +43,9 @@ def job_checks(ctx, timeout_s: float) -> dict:
     - `StallGuard.for_job`: its timeout, each rank's published pid as read by the other
       ranks, a roll call with every rank present, and None for `Job()`;
     - after the group is re-created by plain `init_process_group` (as megatron.training
-      does), `init_process_group_from_env` says it was created elsewhere.
+      does), `init_process_group_from_env` says it was created elsewhere, and the plugin's
+      `job_of_megatron_group(timeout)` gives a Job whose timeout the lanes get and whose
+      store a `StallGuard` publishes pids and holds a roll call in.
     """
     out = {}
     job = init_process_group_from_env(timeout_s=timeout_s)
@@ -97,4 +100,19 @@ def job_checks(ctx, timeout_s: float) -> dict:
                             rank=ctx.rank, world_size=ctx.world_size)
     elsewhere = init_process_group_from_env()
     out["megatron_style_group"] = (elsewhere.store is None, elsewhere.timeout)
+    # the plugin's Job of that group (megatron_patches.training_hooks, stall_roll_call):
+    # its store and Megatron's --distributed-timeout-minutes reach the lanes and the guard
+    plugin_job = job_of_megatron_group(timedelta(seconds=timeout_s))
+    out["plugin_job_timeout"] = plugin_job.timeout
+    init_megatron_parallel_state(ParallelSizes(ctx.world_size, 1), 1234, plugin_job)
+    out["plugin_lane_timeouts"] = _lane_timeouts(tensor_parallel_lanes(
+        ctx.world_size, plugin_job, channels=COMM_LANES))
+    destroy_parallel_state()
+    plugin_guard = StallGuard.for_job(plugin_job)
+    dist.barrier()  # every rank published its pid before any reads
+    out["plugin_guard_pids_ok"] = [
+        plugin_guard.store.check([f"process/{r}"])
+        and json.loads(plugin_guard.store.get(f"process/{r}"))["pid"] == pids[r]
+        for r in range(ctx.world_size)]
+    out["plugin_roll_call_missing"] = plugin_guard.roll_call()
     return out

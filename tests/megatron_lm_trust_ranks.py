@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 
+from dhelix.checkpoint_integrity import MANIFEST, find_damage
 from tests.megatron_lm_ranks import TINY, pretrain_in_process
 
 
@@ -33,6 +35,15 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _edit_a_recorded_checksum(path: Path) -> None:
+    """Change one file's SHA-256 in the manifest, leaving the manifest's own digest as it
+    was (an edited or bit-rotted manifest)."""
+    document = json.loads(path.read_text())
+    entry = next(iter(document["files"].values()))
+    entry["sha256"] = ("0" if entry["sha256"][0] != "0" else "1") + entry["sha256"][1:]
+    path.write_text(json.dumps(document))
+
+
 # name -> (what is done to a copy of the checkpoint directory, extra load arguments)
 DAMAGE = {
     "random bytes in a shard": (lambda d: _xor_bytes(d / "iter_0000004" / "__0_0.distcp", 256),
@@ -48,6 +59,12 @@ DAMAGE = {
     "ckpt-step of a missing iteration": (lambda d: None, ["--ckpt-step", "3"]),
     "damaged, loaded without --dhelix": (
         lambda d: _xor_bytes(d / "iter_0000004" / "__0_0.distcp", 256), ["--no-dhelix"]),
+    "manifest checksum edited": (
+        lambda d: _edit_a_recorded_checksum(d / "iter_0000004" / MANIFEST), []),
+    "truncated manifest": (lambda d: _truncate(d / "iter_0000004" / MANIFEST), []),
+    # what every refusal above advises: the earlier iteration, which is intact, loads
+    "damaged, --ckpt-step of the earlier iteration": (
+        lambda d: _xor_bytes(d / "iter_0000004" / "__0_0.distcp", 256), ["--ckpt-step", "2"]),
 }
 
 
@@ -71,7 +88,9 @@ def checkpoint_guard_body(ctx, workdir: str, layout: list) -> dict:
     load the intact checkpoint with and without `--dhelix` and a copy without manifests;
     last, train with `--lr 1e30` (NaN loss) with `--dhelix`, and stock with `--save`.
     Returns on every rank: {"files": the manifest-listed files, "cases": {name: (code,
-    lines)}, "pending": leftover pending tracker files}."""
+    lines)}, "pending": leftover pending tracker files, "next_tracker"/"next_manifest": the
+    stock save after the intact load, "nan_saved"/"nan_tracker"/"nan_last_good_damage": the
+    NaN run's checkpoint directory, tracker and `find_damage` of its last good iteration}."""
     work = Path(workdir)
     good = work / "good"
     resume = TINY + layout + ["--train-iters", "6", "--lr-decay-style", "constant"]
@@ -101,9 +120,8 @@ def checkpoint_guard_body(ctx, workdir: str, layout: list) -> dict:
     cases["nan"] = _run(nan + ["--dhelix"])
     cases["nan, stock, with --save"] = _run(nan + ["--save", str(work / "nan"),
                                                    "--save-interval", "1"])
-    import json
-
-    listed = json.loads((good / "iter_0000004" / "dhelix_checksums.json").read_text())
+    listed = json.loads((good / "iter_0000004" / MANIFEST).read_text())
+    nan_tracker = work / "nan" / "latest_checkpointed_iteration.txt"
     return {"files": sorted(listed["files"]),
             "cases": cases,
             "pending": sorted(str(p) for p in work.rglob("*.pending")),
@@ -111,4 +129,9 @@ def checkpoint_guard_body(ctx, workdir: str, layout: list) -> dict:
             if (work / "next" / "latest_checkpointed_iteration.txt").exists() else None,
             "next_manifest": (work / "next" / "iter_0000006" / "dhelix_checksums.json").is_file(),
             "nan_saved": sorted(p.name for p in (work / "nan").iterdir())
-            if (work / "nan").is_dir() else None}
+            if (work / "nan").is_dir() else None,
+            # the last good checkpoint of the NaN run: what its tracker names, and whether
+            # every byte of it still matches its manifest (collective, every rank)
+            "nan_tracker": nan_tracker.read_text().strip() if nan_tracker.is_file() else None,
+            "nan_last_good_damage": str(find_damage(work / "nan" / "iter_0000001"))
+            if (work / "nan" / "iter_0000001" / MANIFEST).is_file() else "no manifest"}

@@ -40,6 +40,7 @@ LAYERS = (
           "formats (what the planner, the profiler and the argument checks share); nothing "
           "of the engine", ((
               "dhelix.file_formats", "dhelix.dag", "dhelix.topology", "dhelix.run_fingerprint",
+              "dhelix.argument_error", "dhelix.dhelix_arguments", "dhelix.presets",
               "dhelix.input_checks", "dhelix.arguments", "dhelix.folding", "dhelix.rank_errors",
               "dhelix.divergence", "dhelix.memory", "dhelix.cluster", "dhelix.devices", "dhelix.options",
               "dhelix.c10d_ops",

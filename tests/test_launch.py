@@ -1,13 +1,10 @@
-"""What a user sees when training fails on bad input, with real torchrun:
-
-- `dhelix train` (dhelix.launch, the Megatron-LM plugin: `torchrun -m dhelix.megatron_lm
-  scripts/pretrain_gpt.py`): the one-line `error: ...` is the last line on stderr and the
-  exit code is 2, both for input refused before any process starts and for a clear error
-  found by the ranks at run time (after torchrun's failure report); a good run exits 0.
-- plain `torchrun scripts/dhelix_trainer.py` (the look-alike trainer, still shipped): rank 0
-  prints the error line once, torchrun's report follows (its root cause repeats the line)
-  and torchrun exits 1, as README says.
-"""
+"""What a user sees when training fails on bad input through `dhelix train` (dhelix.launch,
+the Megatron-LM plugin: `torchrun -m dhelix.megatron_lm scripts/pretrain_gpt.py`), with real
+torchrun: the one-line `error: ...` is the last line on stderr and the exit code is 2, both
+for input refused before any process starts and for a clear error found by the ranks at run
+time (after torchrun's failure report); a good run exits 0. Its presets (`dhelix.presets`)
+expand to Megatron arguments, and a preset that cannot be read is one line.
+(Plain torchrun of the plugin: `tests/test_megatron_lm_faults.py`.)"""
 
 import subprocess
 import sys
@@ -16,7 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "dhelix_trainer.py"
 TINY = ["--preset", "tiny", "--train-iters", "1", "--global-batch-size", "4"]
 # the plugin's tiny run: the preset plus what scripts/pretrain_gpt.py needs without a corpus
 PLUGIN_TINY = TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -42,7 +38,7 @@ def _errors(text):
     return [ln for ln in _lines(text) if ln.startswith("error: ")]
 
 
-@pytest.mark.slow  # five `dhelix train` processes, each importing Megatron-LM
+@pytest.mark.slow  # six `dhelix train` processes, five importing Megatron-LM
 def test_bad_input_is_refused_before_torchrun_starts(tmp_path):
     cases = [
         (["--nproc-per-node", "3", "--tensor-model-parallel-size", "2"],
@@ -63,6 +59,10 @@ def test_bad_input_is_refused_before_torchrun_starts(tmp_path):
         assert (proc.returncode, _errors(proc.stderr), proc.stdout) == (2, [line], ""), \
             (argv, proc.stderr[-2000:])
         assert _lines(proc.stderr)[-1] == line
+    proc = _dhelix_train("--nproc-per-node", "2", "--preset", "nope", "--mock-data", timeout=120)
+    assert (proc.returncode, _lines(proc.stderr), proc.stdout) == (2, [
+        "error: --preset: no preset 'nope' (known: llama8b, tiny; or give a JSON file path)"],
+        ""), proc.stderr[-2000:]
 
 
 def test_preset_expands_to_megatron_arguments():
@@ -72,6 +72,44 @@ def test_preset_expands_to_megatron_arguments():
         "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--vocab-size", "1024", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", "10"]
+
+
+def test_preset_flags_and_nulls(tmp_path):
+    """true is the flag alone; false and null give nothing; `_`-keys are comments."""
+    from dhelix.launch import preset_arguments
+
+    preset = tmp_path / "p.json"
+    preset.write_text('{"_comment": "x", "swiglu": true, "bf16": false, "lr": null, '
+                      '"num_layers": 2}')
+    assert preset_arguments(str(preset), []) == ["--swiglu", "--num-layers", "2"]
+
+
+def test_unusable_preset_is_one_line(tmp_path):
+    """What `dhelix train --preset` refuses before anything starts (`dhelix.presets`)."""
+    from dhelix.argument_error import ArgumentError
+    from dhelix.launch import preset_arguments
+
+    def preset(name, text):
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+
+    cases = [
+        ("nope", "--preset: no preset 'nope' (known: llama8b, tiny; or give a JSON file "
+                 "path)"),
+        (str(tmp_path / "none.json"), f"--preset {tmp_path / 'none.json'}: no such file; "
+                                      "check the path"),
+        (str(tmp_path) + "/", f"--preset {tmp_path}: is a directory or special file; give "
+                              "a file"),
+        (preset("bad.json", "{"), f"--preset: {tmp_path / 'bad.json'} is not valid JSON ("),
+        (preset("list.json", "[1, 2]"), f"--preset: {tmp_path / 'list.json'} must hold a JSON "
+                                        "object of argument values, found list"),
+    ]
+    for name, message in cases:
+        with pytest.raises(ArgumentError) as info:
+            preset_arguments(name, [])
+        assert str(info.value).startswith(message) and "\n" not in str(info.value), \
+            (name, str(info.value))
 
 
 @pytest.mark.slow
@@ -98,16 +136,3 @@ def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path):
         "(its bytes changed since the save); nothing was loaded; no earlier iteration is "
         f"saved under {ckpt}; start without --load"), lines[-5:]
     assert sum(ln.startswith("error: ") for ln in lines) == 1
-
-
-@pytest.mark.slow
-def test_plain_torchrun_prints_the_error_then_its_report_and_exits_1():
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                 str(SCRIPT), *TINY, "--micro-batch-size", "0"], timeout=120)
-    line = "error: --micro-batch-size must be >= 1, got 0"
-    lines = _lines(proc.stderr)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert lines.count(line) == 1  # rank 0 only
-    assert f"traceback : {line}" in [ln.strip() for ln in lines]  # torchrun's root cause
-    assert lines.index(line) < next(i for i, ln in enumerate(lines)
-                                    if "ChildFailedError" in ln)

@@ -5,8 +5,9 @@ is left afterwards (found by a marker in the environment every process of the jo
 inherits, so a Manager or resource_tracker reparented to init is found too).
 
 - a bad `--dhelix*` argument: one line, not Megatron's usage text from every rank;
-- SIGSTOP of rank 1 with `--distributed-timeout-minutes 1`: the job ends within the
-  timeout plus the roll call, naming rank 1 (`megatron_patches.stall_roll_call`);
+- SIGSTOP of rank 1 (TP2, `--dhelix`: the DHelix lanes and Megatron's TP group) with
+  `--distributed-timeout-minutes 1`: the job ends within the timeout plus the roll call,
+  naming rank 1 (`megatron_patches.stall_roll_call`);
 - kill -9 of rank 1 during training with `--save` every iteration: the job ends and no
   process is left (no save Manager, `megatron_patches.checkpoint_guard`); the checkpoint it
   left, with random bytes in a shard, is refused at `--load` with one line.
@@ -123,8 +124,10 @@ def test_bad_dhelix_argument_is_one_line_from_torchrun(workdir):
 
 
 def test_stopped_rank_is_named_within_the_timeout(workdir):
+    """TP2 with --dhelix: rank 0 waits in a DHelix lane (a clone of Megatron's TP group,
+    given --distributed-timeout-minutes by the plugin) or Megatron's TP group."""
     job = Job(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "1",
-                      "--dhelix"], workdir)
+                      "--tensor-model-parallel-size", "2", "--dhelix"], workdir)
     job.wait_for(lambda: " iteration        2/" in job.out.read_text(), "iteration 2")
     stopped = job.rank_pid(1)
     os.kill(stopped, signal.SIGSTOP)

@@ -113,6 +113,12 @@ def test_validated_run_is_typed(monkeypatch):
     assert run.model.add_bias_linear is False and run.model.dtype == "fp32"
     assert (run.parallel.pipeline_model_parallel_size, run.parallel.data_parallel_size,
             run.parallel.num_microbatches) == (2, 2, 2)
+    assert (run.options.block_barriers, run.options.layer_seams) == (True, True)  # defaults
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-no-block-barriers",
+                               "--dhelix-no-layer-seams"], validate=True)
+    assert code is None, err
+    assert (current_run().options.block_barriers, current_run().options.layer_seams) \
+        == (False, False)
 
 
 def test_refusal_through_the_launcher():
@@ -202,10 +208,10 @@ def test_argparse_errors_are_one_line(monkeypatch):
 def test_layers_the_folded_model_cannot_split(monkeypatch):
     line = _one_line(["--dhelix", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
                      monkeypatch)
-    assert line == ("error: --dhelix with --pipeline-model-parallel-size > 1 folds the model "
-                    "into a U: model folding needs --num-layers divisible by 2 x "
-                    "--pipeline-model-parallel-size: --num-layers 2 is not a multiple of 2 x 2"
-                    " = 4; choose a layer count that is a multiple of 4")
+    # the same rule and words as the typed run's check (`dhelix.options.folding_problem`)
+    assert line == ("error: --dhelix with --pipeline-model-parallel-size 2 folds the layers "
+                    "into a U (two chunks per stage): --num-layers 2 must be a multiple of "
+                    "2 x 2 = 4")
 
 
 @pytest.mark.parametrize("extra, named", [

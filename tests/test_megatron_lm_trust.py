@@ -4,11 +4,15 @@ ranks running Megatron-LM's `pretrain()`:
 - checksummed checkpoints (`megatron_patches.checkpoint_guard`): a `--dhelix` run saves
   iterations 2 and 4 through Megatron's `--save` (PP2, folded model); every kind of damage
   to a copy (random bytes or one flipped bit in a shard, a truncated or deleted shard, a
-  deleted `.metadata`, garbage or a missing iteration in the tracker, `--ckpt-step` of a
-  missing iteration) ends the load with exactly one `error:` line naming the file and what
-  to do, exit code 2, with and without `--dhelix`; the intact checkpoint loads with and
-  without `--dhelix`, a stock save gets its manifest, and one without a manifest loads with
-  one warning.
+  deleted `.metadata`, an edited or truncated manifest, garbage or a missing iteration in
+  the tracker, `--ckpt-step` of a missing iteration) ends the load with exactly one
+  `error:` line naming the file and what to do, exit code 2, with and without `--dhelix`;
+  the earlier iteration that line points to loads with `--ckpt-step`; the intact
+  checkpoint loads with and without `--dhelix`, a stock save gets its manifest, and one
+  without a manifest loads with one warning.
+- NaN stop (`megatron_patches.nan_stop`): a `--lr 1e30` run ends with one line naming the
+  iteration, the check and the rank; with `--save`, nothing of the bad iteration is saved
+  and the last good checkpoint stays named by the tracker, every byte intact.
 """
 
 import pytest
@@ -50,6 +54,24 @@ def test_damaged_file_is_refused_naming_it(guard, name, file, problem):
     copy = guard[0] / name.replace(" ", "_")
     _refused(guard, name, f"iter_0000004/{file} {problem}; nothing was loaded; resume from "
              f"an earlier iteration with --ckpt-step N (saved under {copy}: 2)")
+
+
+def test_damaged_manifest_is_refused_naming_it(guard):
+    workdir, result = guard
+    for name, problem in [("manifest checksum edited",
+                           "is damaged (its own checksum does not match)"),
+                          ("truncated manifest", "is damaged (corrupt or truncated JSON")]:
+        code, lines = result["cases"][name]
+        copy = workdir / name.replace(" ", "_")
+        assert code == 2 and len(lines) == 1, (name, lines)
+        assert lines[0].startswith(f"error: --load {copy}: iter_0000004/dhelix_checksums.json "
+                                   f"{problem}"), (name, lines)
+        assert lines[0].endswith(f"; nothing was loaded; resume from an earlier iteration "
+                                 f"with --ckpt-step N (saved under {copy}: 2)"), (name, lines)
+
+
+def test_the_earlier_iteration_a_refusal_points_to_loads(guard):
+    assert guard[1]["cases"]["damaged, --ckpt-step of the earlier iteration"] == (None, [])
 
 
 def test_truncated_shard_is_refused_naming_it(guard):
@@ -109,5 +131,7 @@ def test_nan_ends_the_run_with_one_line_and_no_save(guard):
     newest = max(name for name in saved if name.startswith("iter_"))
     assert newest == "iter_0000001", saved  # saved before the NaN of iteration 2, none after
     assert f"the last good checkpoint, {workdir / 'nan' / newest}, is untouched" in lines[0]
+    assert result["nan_tracker"] == "1"  # still names the last good iteration
+    assert result["nan_last_good_damage"] == "None"  # every byte matches its manifest
     assert lines[0].endswith(NAN_REMEDY)
     assert "found NaN in local grad norm" in lines[0], lines  # the gradient check

@@ -2,7 +2,10 @@
 and timeout, no module globals) reaches what is built from it, on 2 real gloo ranks: a
 second call returns the first call's store and timeout, Megatron's groups and the DHelix
 lanes get the timeout, the stall guard finds the store; a group created elsewhere gives
-`Job()`, whose lanes keep torch's default timeout and which has no stall guard."""
+`Job()`, whose lanes keep torch's default timeout and which has no stall guard, and the
+plugin's `job_of_megatron_group` of such a group gives the lanes its timeout and the stall
+guard its store (the test harness and the plugin use this module, not only the look-alike
+trainer)."""
 
 from datetime import timedelta
 
@@ -57,3 +60,13 @@ def test_stall_guard_finds_the_store(ranks):
 def test_group_created_elsewhere_gives_an_empty_job(ranks):
     for out in ranks:
         assert out["megatron_style_group"] == (True, None)  # Job(): no store, no timeout
+
+
+def test_plugin_job_of_megatrons_group_reaches_lanes_and_stall_guard(ranks):
+    """The plugin's path: megatron.training created the group, `job_of_megatron_group`
+    gives its lanes the run's timeout and its stall guard the group's store."""
+    for out in ranks:
+        assert out["plugin_job_timeout"] == JOB_TIMEOUT
+        assert out["plugin_lane_timeouts"] == [JOB_TIMEOUT]
+        assert out["plugin_guard_pids_ok"] == [True, True]
+        assert out["plugin_roll_call_missing"] == []

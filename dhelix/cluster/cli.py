@@ -1,7 +1,7 @@
 """Command line of the emulated cluster: `scripts/emulated_cluster.py` and `dhelix cluster`.
 
     emulated_cluster.py --nodes 2 --ranks-per-node 1 --bandwidth 800mbit --latency 0ms \
-        -- scripts/dhelix_trainer.py --preset tiny --tensor-model-parallel-size 2
+        -- -m dhelix.megatron_lm scripts/pretrain_gpt.py --tensor-model-parallel-size 2 ...
 
 Everything after `--` is handed to torchrun in every node namespace (a script and its
 arguments, or `-m module ...`). Exit codes: the run's (see `runner.run_cluster`), or 2 when

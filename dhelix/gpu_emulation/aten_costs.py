@@ -1,8 +1,8 @@
 """Which model term an aten operator is charged to, and how much.
 
 `classify(func)` sorts an aten operator into one of:
-- "real": runs for real, costs no modelled time: views (and `_unsafe_view`) and metadata changes, factory ops (no
-  tensor input), host syncs (`_local_scalar_dense`), collectives (`c10d.*`,
+- "real": runs for real, costs no modelled time: views (and `_unsafe_view`) and metadata
+  changes, factory ops (no tensor input) and allocations (`empty_like`, `new_empty`), host syncs (`_local_scalar_dense`), collectives (`c10d.*`,
   `_c10d_functional.*`), RNG state queries.
 - "compute": a GPU kernel: charged by `kernel_ms` and, unless the mode says otherwise, run
   on meta tensors for its output's shape.
@@ -32,6 +32,8 @@ _REAL_NAMES = {
     "sym_storage_offset", "_nested_tensor_size", "get_rng_state", "set_rng_state",
     "_conj", "_neg_view", "conj", "resolve_conj", "resolve_neg",
     "_unsafe_view",  # a view whose schema does not say so (reshape of a fresh tensor)
+    # allocations shaped like a tensor argument: no kernel runs
+    "empty_like", "new_empty", "new_empty_strided",
 }
 _SYNC_NAMES = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
 _GEMM_2D = {"mm", "addmm"}
@@ -79,6 +81,12 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def moved_bytes(args, kwargs, out) -> int:
+    """Bytes a memory-bound operator moves: every tensor input read once, every output
+    written once (what `kernel_ms` charges at a bandwidth)."""
+    return _bytes(tree_leaves((args, kwargs))) + _bytes(tree_leaves(out))
+
+
 def _transposed(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(0) == 1 and t.stride(1) != 1
 
@@ -109,6 +117,6 @@ def kernel_ms(model: KernelTimeModel, func, args, kwargs, out) -> tuple[str, flo
         causal = bool(named.get("is_causal", False))
         return f"attention.sdpa.{phase}", model.attention_ms(s, b, heads, d, causal=causal,
                                                              phase=phase, kernel="sdpa")
-    nbytes = _bytes(tree_leaves((args, kwargs))) + _bytes(tree_leaves(out))
+    nbytes = moved_bytes(args, kwargs, out)
     cls = "norm" if "norm" in name else "elementwise"
     return f"memory.{cls}", model.memory_ms(nbytes, cls)

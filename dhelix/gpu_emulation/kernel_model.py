@@ -6,17 +6,26 @@ at one layer shape. From its solo entries this module fits, per kernel class:
 - GEMM: achieved TFLOP/s per phase ("fwd" x @ W^T, "dgrad" g @ W, "wgrad" g^T @ x) as a
   function of the GEMM's FLOPs (2mnk), interpolated linearly in log(FLOPs) between the
   profile's shapes and clamped outside them; "any" pools every phase (batched GEMMs).
-- memory-bound: achieved bandwidth (bytes per ms) of the profile's norm entries ("norm") and
-  element-wise entries ("elementwise"), from the nominal bytes each operator must move
-  (`nominal_bytes`: inputs read once, outputs written once).
+- memory-bound: achieved bandwidth (bytes per ms) of the profile's memory-bound entries
+  (norm, SwiGLU, bias-dropout-add), from the bytes they move. Two ways (`memory_fit`):
+  "traced" (`traced_bytes` given, what the emulation uses): the bytes of the aten kernels
+  each profiled operator really issues under the emulation (`profile_trace`), one bandwidth
+  pooled over every operator instance of the layer (the emulation charges aten kernels,
+  which cannot tell which operator issued them), so the layer's memory-bound total comes
+  back exactly; "nominal": each operator's nominal bytes (`nominal_bytes`: inputs read
+  once, outputs written once), per class, norm ("norm") and the others ("elementwise").
 - attention: FLOPs per ms of the profile's own attention entries ("unfused" fwd / bwd) and a
   stated rate for a fused SDPA kernel (`sdpa_tflops`, default the H100 measurement in
   DESIGN.md: 1.26 ms fwd+bwd at s=4096, 32 heads, d=128, causal = 382 TFLOP/s).
 
-Every kernel costs at least `min_kernel_ms` (launch latency). The profile's own shapes get
-back their measured times (GEMM: exactly, per phase; memory-bound: within the spread of the
-class's entries). Rates apply to any dtype (the profile's dtype is recorded in `dtype`).
-Pure: no torch, no clock.
+With traced bytes, an attention or GEMM entry's own rate is fitted to its time less its
+traced memory-bound kernels' (the attention operator's QKV split and RoPE run outside the
+core-attention region, `regions`), so entry = its kernels, as the emulation charges them.
+
+Every kernel costs at least `min_kernel_ms` (launch latency; not part of the fit). The
+profile's own shapes get back their measured times (GEMM and attention: exactly;
+memory-bound: their total exactly, each entry within the spread of the entries). Rates
+apply to any dtype (the profile's dtype is recorded in `dtype`). Pure: no torch, no clock.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass, field
 from profiler.profile_file import Profile
 
 GEMM_PHASES = ("fwd", "dgrad", "wgrad")
+MEMORY_CLASSES = ("norm", "elementwise")
 ATTENTION_KERNELS = ("unfused", "sdpa")
 # H100 bf16 SDPA at s=4096, b=1, 32 heads, d=128, causal: 1.26 ms fwd+bwd (DESIGN.md).
 H100_SDPA_TFLOPS = 382.0
@@ -105,7 +115,9 @@ def _interpolate(points: tuple, flops: float) -> float:
 @dataclass(frozen=True)
 class KernelTimeModel:
     """Fitted rates. `gemm[phase]`: sorted ((flops, tflops), ...); `bandwidth[cls]`: bytes
-    per ms; `attention[(kernel, phase)]`: FLOPs per ms; `fitted_from`: the solo keys used."""
+    per ms; `attention[(kernel, phase)]`: FLOPs per ms; `fitted_from`: the solo keys used;
+    `memory_fit`: "traced" or "nominal"; `traced_bytes`: {cost key: mean traced bytes of an
+    instance} when traced."""
 
     gemm: dict
     bandwidth: dict
@@ -113,6 +125,8 @@ class KernelTimeModel:
     dtype: str
     min_kernel_ms: float = 0.004
     fitted_from: tuple = field(default_factory=tuple)
+    memory_fit: str = "nominal"
+    traced_bytes: dict = field(default_factory=dict)
 
     def gemm_ms(self, m: int, n: int, k: int, *, batch: int = 1, phase: str = "any") -> float:
         """Time of `batch` (m x k) @ (k x n) GEMMs of the given phase's curve."""
@@ -144,65 +158,104 @@ class KernelTimeModel:
         if key is None:
             raise ValueError(f"error: {cost_key!r} is not a compute cost key")
         d = key.dims
+        traced = self.traced_bytes.get(cost_key, 0.0) / self.bandwidth["elementwise"]
         if key.op == "linear":
-            return self.gemm_ms(d["m"], d["n"], d["k"], phase=key.phase)
+            return self.gemm_ms(d["m"], d["n"], d["k"], phase=key.phase) + traced
         if key.op == "attention":
             return self.attention_ms(d["s"], d["b"], d["heads"], d["d"],
-                                     causal=bool(d.get("causal", 0)), phase=key.phase)
-        nbytes = nominal_bytes(key)
-        if nbytes is None:
+                                     causal=bool(d.get("causal", 0)), phase=key.phase) + traced
+        if nominal_bytes(key) is None:
             raise ValueError(f"error: the model has no term for {cost_key!r}")
-        return self.memory_ms(nbytes, "norm" if key.op.endswith("norm") else "elementwise")
+        if self.memory_fit == "traced":
+            return traced
+        return self.memory_ms(nominal_bytes(key),
+                              "norm" if key.op.endswith("norm") else "elementwise")
 
 
 def fit_kernel_model(profile: Profile, *, sdpa_tflops: float = H100_SDPA_TFLOPS,
-                     min_kernel_ms: float = 0.004) -> KernelTimeModel:
-    """Fit a `KernelTimeModel` to the profile's solo entries. Raises ValueError (`error: ...`)
-    when the profile lacks a GEMM, a norm, an element-wise or an attention entry (each class
-    needs one to be fitted), or mixes dtypes."""
-    gemm: dict = {phase: {} for phase in GEMM_PHASES}
-    moved: dict = {"norm": [], "elementwise": []}
-    attention: dict = {}
-    dtypes, used = set(), []
+                     min_kernel_ms: float = 0.004, traced_bytes: dict | None = None
+                     ) -> KernelTimeModel:
+    """Fit a `KernelTimeModel` to the profile's solo entries; memory-bound entries at their
+    nominal bytes, or, with `traced_bytes` ({cost key: bytes of each operator instance of
+    one layer}, `profile_trace.trace_operator_bytes`), at those (see the module docstring).
+    Raises ValueError (`error: ...`) when the profile lacks a GEMM, a norm, an element-wise
+    or an attention entry (each class needs one to be fitted), mixes dtypes, or when
+    `traced_bytes` misses one of its memory-bound or attention entries or leaves an entry
+    no time of its own."""
+    entries, dtypes = [], set()
     for name, ms in profile.solo.items():
         key = parse_cost_key(name)
-        if key is None:
+        if key is None or not (key.op == "linear" and key.phase in GEMM_PHASES
+                               or key.op == "attention" or nominal_bytes(key) is not None):
             continue
-        d = key.dims
-        if key.op == "linear" and key.phase in GEMM_PHASES:
-            flops = 2.0 * d["m"] * d["n"] * d["k"]
-            gemm[key.phase].setdefault(flops, []).append(flops / ms / 1e9)
-        elif key.op == "attention":
-            flops = attention_flops(d["s"], d["b"], d["heads"], d["d"],
-                                    bool(d.get("causal", 0)), key.phase)
-            attention.setdefault(("unfused", key.phase), []).append(flops / ms)
-        elif (nbytes := nominal_bytes(key)) is not None:
-            moved["norm" if key.op.endswith("norm") else "elementwise"].append((nbytes, ms))
-        else:
-            continue
+        entries.append((name, key, ms))
         dtypes.add(key.dtype)
-        used.append(name)
     if len(dtypes) > 1:
         raise ValueError(f"error: the profile mixes dtypes {sorted(dtypes)}; fit one dtype's entries")
-    pooled: dict = {}
+    memory = [(name, key, ms) for name, key, ms in entries
+              if key.op not in ("linear", "attention")]
+    missing = [f"{cls} entry" for cls in MEMORY_CLASSES
+               if not any(_cls(key) == cls for _, key, _ in memory)]
+    if traced_bytes is None:
+        per_entry: dict = {}
+        bandwidth = {cls: sum(nominal_bytes(k) for _, k, _ in memory if _cls(k) == cls)
+                     / sum(ms for _, k, ms in memory if _cls(k) == cls)
+                     for cls in MEMORY_CLASSES if f"{cls} entry" not in missing}
+    else:
+        lacking = [name for name, key, _ in entries
+                   if key.op != "linear" and not traced_bytes.get(name)]
+        if lacking:
+            raise ValueError(f"error: traced_bytes has no instance of {', '.join(lacking)}; "
+                             "trace the profile's own layer (profile_trace.trace_operator_bytes)")
+        per_entry = {name: sum(traced_bytes[name]) / len(traced_bytes[name])
+                     for name, _, _ in entries if traced_bytes.get(name)}
+        moved = sum(sum(traced_bytes[name]) for name, _, _ in memory)
+        spent = sum(len(traced_bytes[name]) * ms for name, _, ms in memory)
+        if memory and not moved:
+            raise ValueError("error: the traced memory-bound operators move no bytes; trace "
+                             "the profile's own layer (profile_trace.trace_operator_bytes)")
+        bandwidth = {cls: moved / spent for cls in MEMORY_CLASSES} if moved else {}
+    gemm: dict = {phase: {} for phase in GEMM_PHASES}
+    attention: dict = {}
+    for name, key, ms in entries:
+        if key.op not in ("linear", "attention"):
+            continue
+        own = ms - (per_entry.get(name, 0.0) / bandwidth["elementwise"] if bandwidth else 0.0)
+        if own <= 0:
+            raise ValueError(f"error: {name}: its traced memory-bound kernels take {ms - own:.3f}"
+                             f" ms of its {ms:.3f} ms; the trace does not match the profile")
+        d = key.dims
+        if key.op == "linear":
+            flops = 2.0 * d["m"] * d["n"] * d["k"]
+            gemm[key.phase].setdefault(flops, []).append(flops / own / 1e9)
+        else:
+            flops = attention_flops(d["s"], d["b"], d["heads"], d["d"],
+                                    bool(d.get("causal", 0)), key.phase)
+            attention.setdefault(("unfused", key.phase), []).append(flops / own)
+    pooled_gemm: dict = {}
     for phase in GEMM_PHASES:
         for flops, rates in gemm[phase].items():
-            pooled.setdefault(flops, []).extend(rates)
-    gemm["any"] = pooled
-    missing = [f"GEMM ({p})" for p in ("any",) if not gemm[p]]
-    missing += [f"{c} entry" for c, entries in moved.items() if not entries]
-    missing += [f"attention {p}" for p in ("fwd", "bwd") if ("unfused", p) not in attention]
-    if missing:
-        raise ValueError(f"error: the profile has no {', '.join(missing)}; profile a full "
+            pooled_gemm.setdefault(flops, []).extend(rates)
+    gemm["any"] = pooled_gemm
+    problems = ["GEMM (any)"] if not gemm["any"] else []
+    problems += missing
+    problems += [f"attention {p}" for p in ("fwd", "bwd") if ("unfused", p) not in attention]
+    if problems:
+        raise ValueError(f"error: the profile has no {', '.join(problems)}; profile a full "
                          "layer (`dhelix profile --comp-only`)")
     curves = {phase: tuple(sorted((f, sum(r) / len(r)) for f, r in table.items()))
               for phase, table in gemm.items() if table}
     for phase in GEMM_PHASES:
         curves.setdefault(phase, curves["any"])
-    bandwidth = {cls: sum(b for b, _ in e) / sum(ms for _, ms in e) for cls, e in moved.items()}
     rates = {k: sum(v) / len(v) for k, v in attention.items()}
     for phase in ("fwd", "bwd"):
         rates[("sdpa", phase)] = sdpa_tflops * 1e9
     return KernelTimeModel(gemm=curves, bandwidth=bandwidth, attention=rates,
                            dtype=dtypes.pop(), min_kernel_ms=min_kernel_ms,
-                           fitted_from=tuple(sorted(used)))
+                           fitted_from=tuple(sorted(name for name, _, _ in entries)),
+                           memory_fit="nominal" if traced_bytes is None else "traced",
+                           traced_bytes=per_entry)
+
+
+def _cls(key: CostKey) -> str:
+    return "norm" if key.op.endswith("norm") else "elementwise"

@@ -22,6 +22,10 @@ computed: c10d and functional collectives are dispatched operators), before a ho
 operator and needs no flush: on a GPU it orders only the kernels issued after it, which the
 stream clock starts after the wait returned. Collectives themselves run for real.
 
+Regions (`enter_region` / `exit_region`): a stretch of code whose GPU time is known as a
+whole (Megatron's unfused core attention, `dhelix.gpu_emulation.regions`) is charged once;
+the compute operators inside are faked as elsewhere and charged nothing (`absorbed`).
+
 Ownership: outputs are new tensors owned by the caller, on the device of the operator's first
 tensor argument; the mode keeps no tensor (only the Work handles of in-flight collectives,
 until they complete). One mode per thread; autograd's backward on CPU runs on the calling
@@ -40,7 +44,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from dhelix.c10d_ops import work_handles
 from dhelix.gpu_emulation.aten_costs import (
-    classify, is_communication, is_host_sync, is_inplace, kernel_ms, op_name)
+    classify, is_communication, is_host_sync, is_inplace, kernel_ms, moved_bytes, op_name)
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 
 # DHelix paper, Table 7: concurrent compute and communication kernels run 20-30% slower on H100.
@@ -70,19 +74,22 @@ class EmulationConfig:
 @dataclass(frozen=True)
 class TermTotal:
     """Kernels charged to one term: how many, their modelled ms (unscaled, slowdown
-    included) and how many ran beside a collective in flight."""
+    included), how many ran beside a collective in flight, and the bytes the memory-bound
+    ones move (`aten_costs.moved_bytes`; 0 for GEMM, attention and region charges)."""
 
     count: int
     modelled_ms: float
     slowed: int
+    nbytes: float = 0.0
 
 
 @dataclass(frozen=True)
 class EmulationReport:
     """What the mode charged: `modelled_ms` (unscaled, sum over kernels), `by_term` (gemm.fwd,
-    memory.norm, attention.sdpa.bwd, ...), `by_op` (aten operator names), `slept_s` (seconds
-    the host slept waiting for the stream), `collectives` issued, `ran_for_real` compute ops
-    that meta could not run."""
+    memory.norm, attention.sdpa.bwd, attention.unfused.fwd (a region), ...), `by_op` (aten
+    operator names; a region by its term), `slept_s` (seconds the host slept waiting for
+    the stream), `collectives` issued, `ran_for_real` compute ops that meta could not run,
+    `absorbed` compute ops issued inside a region (charged nothing of their own)."""
 
     modelled_ms: float
     by_term: dict
@@ -90,6 +97,7 @@ class EmulationReport:
     slept_s: float
     collectives: int
     ran_for_real: int
+    absorbed: int = 0
 
 
 def _unboxed(work):
@@ -117,6 +125,8 @@ class GpuEmulationMode(TorchDispatchMode):
         self._slept = 0.0
         self._collectives = 0
         self._ran_for_real = 0
+        self._region: str | None = None
+        self._absorbed = 0
 
     # -- time ---------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -126,7 +136,7 @@ class GpuEmulationMode(TorchDispatchMode):
             time.sleep(left)
         self._slept += time.perf_counter() - start
 
-    def _charge(self, term: str, name: str, ms: float) -> None:
+    def _charge(self, term: str, name: str, ms: float, nbytes: float = 0.0) -> None:
         self._in_flight = [w for w in self._in_flight if not w.is_completed()]
         slowed = bool(self._in_flight)
         if slowed:
@@ -134,8 +144,30 @@ class GpuEmulationMode(TorchDispatchMode):
         now = time.perf_counter()
         self._stream_end = max(now, self._stream_end) + ms * self.config.time_scale / 1000.0
         for table, key in ((self._terms, term), (self._ops, name)):
-            count, total, n_slowed = table.get(key, (0, 0.0, 0))
-            table[key] = (count + 1, total + ms, n_slowed + slowed)
+            count, total, n_slowed, moved = table.get(key, (0, 0.0, 0, 0.0))
+            table[key] = (count + 1, total + ms, n_slowed + slowed, moved + nbytes)
+
+    # -- regions ------------------------------------------------------------------------
+    def enter_region(self, term: str, ms: float) -> None:
+        """Charge one kernel of `ms` (modelled, unscaled) to `term`, and charge nothing for
+        the compute operators issued until `exit_region()` (they are still faked or run as
+        outside a region, and counted in `absorbed`): a stretch of code whose GPU time is
+        known as a whole (`dhelix.gpu_emulation.regions`). Regions do not nest."""
+        if self._region is not None:
+            raise RuntimeError(f"error: region {term!r} entered inside region {self._region!r}; "
+                               "regions do not nest")
+        self._charge(term, term, ms)
+        self._region = term
+
+    def exit_region(self) -> None:
+        """End the region `enter_region` opened; compute operators are charged again."""
+        if self._region is None:
+            raise RuntimeError("error: exit_region() without enter_region()")
+        self._region = None
+
+    @property
+    def in_region(self) -> bool:
+        return self._region is not None
 
     def report(self) -> EmulationReport:
         def totals(table):
@@ -143,7 +175,7 @@ class GpuEmulationMode(TorchDispatchMode):
         return EmulationReport(
             modelled_ms=sum(v[1] for v in self._terms.values()), by_term=totals(self._terms),
             by_op=totals(self._ops), slept_s=self._slept, collectives=self._collectives,
-            ran_for_real=self._ran_for_real)
+            ran_for_real=self._ran_for_real, absorbed=self._absorbed)
 
     def __exit__(self, *exc):
         try:
@@ -171,8 +203,12 @@ class GpuEmulationMode(TorchDispatchMode):
             out = self._mutated(func, args, kwargs)
         else:
             out = self._fake_outputs(func, args, kwargs, tensors[0].device)
+        if self._region is not None:
+            self._absorbed += 1
+            return out
         term, ms = kernel_ms(self.model, func, args, kwargs, out)
-        self._charge(term, op_name(func), ms)
+        nbytes = moved_bytes(args, kwargs, out) if term.startswith("memory.") else 0.0
+        self._charge(term, op_name(func), ms, nbytes)
         return out
 
     def _mutated(self, func, args, kwargs):

@@ -95,7 +95,7 @@ def run(args) -> int:
 
     # megatron-core warns at import about optional GPU packages; irrelevant to a table.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from dhelix.input_checks import ArgumentError
+    from dhelix.argument_error import ArgumentError
     from dhelix.ops.describe import LayerDescription, UnsupportedLayerError
     from dhelix.ops.layer_program import build_layer_programs
     from dhelix.topology import NodeTopology

@@ -122,3 +122,48 @@ def test_incomplete_or_mixed_profiles_are_refused():
     with pytest.raises(ValueError, match="error: the model has no term"):
         model.solo_ms("mystery.fwd(n=4)/bfloat16")
     assert math.isfinite(model.memory_ms(1e6, "norm"))
+
+
+def test_fit_at_traced_bytes():
+    """Memory-bound entries fitted at the bytes their aten kernels move: one pooled
+    bandwidth over every operator instance (the layer's memory-bound total comes back
+    exactly, each entry at its own bytes); attention and GEMM entries keep their measured
+    time as their own kernels plus their traced memory-bound kernels."""
+    profile = _small_profile()
+    norm, swiglu = "rms_norm.fwd(s=1024,b=1,h=1024)/bfloat16", \
+        "swiglu.fwd(s=1024,b=1,f=2048,bias=0)/bfloat16"
+    traced = {norm: (4e7, 4e7), swiglu: (1e8,), ATTN.format("fwd"): (3e7,),
+              ATTN.format("bwd"): (6e7,)}
+    model = fit_kernel_model(profile, traced_bytes=traced)
+    assert model.memory_fit == "traced" and fit_kernel_model(profile).memory_fit == "nominal"
+    # (2 x 4e7 + 1e8) bytes over (2 x 0.1 + 0.2) ms
+    bandwidth = 1.8e8 / 0.4
+    assert model.bandwidth == {"norm": pytest.approx(bandwidth),
+                               "elementwise": pytest.approx(bandwidth)}
+    assert model.solo_ms(norm) == pytest.approx(4e7 / bandwidth)
+    assert model.solo_ms(swiglu) == pytest.approx(1e8 / bandwidth)
+    assert 2 * model.solo_ms(norm) + model.solo_ms(swiglu) == pytest.approx(0.4)
+    # attention: the region's rate is fitted to the entry less its traced kernels (RoPE)
+    for phase, ms, nbytes in (("fwd", 10.0, 3e7), ("bwd", 20.0, 6e7)):
+        assert model.solo_ms(ATTN.format(phase)) == pytest.approx(ms)
+        region = model.attention_ms(4096, 1, 32, 128, causal=True, phase=phase)
+        assert region == pytest.approx(ms - nbytes / bandwidth)
+    # GEMMs without traced bytes keep their measured rate
+    assert model.solo_ms("linear.fwd(m=4096,n=4096,k=4096,bias=0)/bfloat16") == \
+        pytest.approx(0.2)
+
+
+def test_traced_bytes_that_do_not_match_the_profile_are_refused():
+    profile = _small_profile()
+    norm, swiglu = "rms_norm.fwd(s=1024,b=1,h=1024)/bfloat16", \
+        "swiglu.fwd(s=1024,b=1,f=2048,bias=0)/bfloat16"
+    full = {norm: (4e7,), swiglu: (1e8,), ATTN.format("fwd"): (3e7,), ATTN.format("bwd"): (0.0,)}
+    for missing in (swiglu, ATTN.format("fwd")):
+        traced = {k: v for k, v in full.items() if k != missing}
+        with pytest.raises(ValueError, match="error: traced_bytes has no instance of"):
+            fit_kernel_model(profile, traced_bytes=traced)
+    with pytest.raises(ValueError, match="error: the traced memory-bound operators move no bytes"):
+        fit_kernel_model(profile, traced_bytes=full | {norm: (0.0,), swiglu: (0.0,)})
+    # an attention entry whose traced kernels alone take longer than it was measured
+    with pytest.raises(ValueError, match="the trace does not match the profile"):
+        fit_kernel_model(profile, traced_bytes=full | {ATTN.format("fwd"): (1e12,)})

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dhelix.gpu_emulation.mode import TermTotal
 from dhelix.harness import run_megatron_ranks
 
 H100_PROFILE = Path("/work/shared/measurements/h100_llama8b_layer_comp_only_profile.json")
@@ -154,3 +155,36 @@ def test_dispatch_rules_in_one_process():
     from dhelix.gpu_emulation.mode import EmulationConfig
     with pytest.raises(ValueError, match="error: time_scale"):
         EmulationConfig(time_scale=0)
+
+
+def test_region_charges_once_and_absorbs_its_kernels():
+    mode = _mode(scale=1.0)
+    a = torch.randn(256, 128)
+    with mode:
+        mode.enter_region("attention.unfused.fwd", 7.5)
+        with pytest.raises(RuntimeError, match="error: region .* entered inside region"):
+            mode.enter_region("attention.unfused.bwd", 1.0)
+        y = a @ a.t()          # absorbed: faked, charged nothing
+        z = (y * 2.0).exp()    # absorbed
+        mode.exit_region()
+        with pytest.raises(RuntimeError, match=r"error: exit_region\(\) without enter_region"):
+            mode.exit_region()
+        a @ a.t()              # charged again
+    report = mode.report()
+    assert z.shape == (256, 256) and report.absorbed == 3
+    assert report.by_term["attention.unfused.fwd"] == TermTotal(1, 7.5, 0, 0.0)
+    assert report.by_term["gemm.fwd"].count == 1 and "exp" not in report.by_op
+    assert report.modelled_ms == pytest.approx(7.5 + report.by_term["gemm.fwd"].modelled_ms)
+
+
+def test_memory_kernels_report_their_bytes():
+    mode = _mode(scale=1.0)
+    a = torch.randn(512, 512)  # 1 MiB of fp32
+    with mode:
+        a + a
+        a.to(torch.bfloat16)
+    ops = mode.report().by_op
+    assert ops["add"].nbytes == 3 * a.numel() * 4
+    assert ops["_to_copy"].nbytes == a.numel() * (4 + 2)
+    assert mode.report().by_term["memory.elementwise"].nbytes == ops["add"].nbytes + \
+        ops["_to_copy"].nbytes

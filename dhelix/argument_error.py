@@ -1,0 +1,55 @@
+"""`ArgumentError`, the one-line error for bad command-line input, and the check that a path
+argument names a file this process can read (`check_readable_file`).
+
+Shared by the plugin's `--dhelix*` file checks (`dhelix.dhelix_arguments`), the presets of
+`dhelix train` (`dhelix.presets`), the typed options (`dhelix.options.OptionError`) and the
+look-alike trainer's value checks (`dhelix.input_checks`). Everything here runs before any
+process group exists and creates nothing on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+class ArgumentError(ValueError):
+    """Bad command-line input; the message is one line that names the argument and the fix."""
+
+
+def flag(dest: str) -> str:
+    """The command-line spelling of an argparse dest: 'micro_batch_size' -> '--micro-batch-size'."""
+    return "--" + dest.replace("_", "-")
+
+
+def stat_path(option: str, path: str, missing: str) -> os.stat_result:
+    """os.stat(path); ArgumentError `missing` when it does not exist, or when it cannot be
+    reached."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise ArgumentError(f"{option} {path}: {missing}") from exc
+    except OSError as exc:
+        raise ArgumentError(f"{option} {path}: cannot be read ({exc.strerror}); "
+                            "fix the permissions on its path") from exc
+
+
+def probe_path(option: str, path: str, attempt, problem: str, fix: str) -> None:
+    """Run `attempt()`; an OSError becomes ArgumentError '{option} {path}: {problem}
+    (reason); {fix}'."""
+    try:
+        attempt()
+    except OSError as exc:
+        raise ArgumentError(f"{option} {path}: {problem} ({exc.strerror}); {fix}") from exc
+
+
+def check_readable_file(option: str, path: str) -> Path:
+    """`path` is an existing regular file this process can open for reading; returns it as
+    a Path. Raises ArgumentError naming `option` otherwise."""
+    p = Path(path)
+    if not stat.S_ISREG(stat_path(option, path, "no such file; check the path").st_mode):
+        raise ArgumentError(f"{option} {path}: is a directory or special file; give a file")
+    probe_path(option, path, lambda: open(p, "rb").close(), "cannot be read",
+               "fix its permissions")
+    return p

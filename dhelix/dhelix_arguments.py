@@ -1,0 +1,80 @@
+"""The `--dhelix*` command-line arguments: their definition (`add_dhelix_runtime_args`, on
+Megatron-LM's parser under the plugin) and the check of the plan and profile files they name
+(`check_dhelix_files`), both before any process group exists. The typed options built from
+them and their rules: `dhelix.options` (`docs/options.md`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dhelix.argument_error import ArgumentError, check_readable_file, flag
+from dhelix.options import ATTENTION_CHOICES, PAIRERS
+
+
+def add_dhelix_runtime_args(p: argparse.ArgumentParser):
+    """Add the `--dhelix*` arguments of the DHelix runtime (`dhelix.runtime.setup`) to `p`
+    in a group "dhelix", which is returned. Used by the Megatron-LM plugin on Megatron's own
+    parser (`megatron_patches.training_hooks`) and by the look-alike trainer's parser
+    (`dhelix.arguments`)."""
+    g = p.add_argument_group("dhelix")
+    g.add_argument("--dhelix", action="store_true",
+                   help="co-execute micro-batch pairs (one forward with another's backward)")
+    g.add_argument("--dhelix-plan", type=str, default=None,
+                   help="plan file (dhelix plan ...); default: build one at start-up")
+    g.add_argument("--dhelix-profile", type=str, default=None,
+                   help="profile to plan from (dhelix profile ...); default: analytic costs")
+    g.add_argument("--dhelix-pairer", choices=PAIRERS,
+                   default="dp",
+                   help="how operators are paired (default dp): dp|sequential|round_robin pair "
+                        "one micro-batch's forward with another's backward (DHelix and its "
+                        "baselines); domino splits each micro-batch in two batch halves and "
+                        "staggers them layer by layer (Domino-style baseline, no planning)")
+    g.add_argument("--dhelix-block-barriers", action="store_true", default=True,
+                   help="wait for every block's collectives before the next block starts, as "
+                        "the planner's cost model assumes (the default)")
+    g.add_argument("--dhelix-no-block-barriers", dest="dhelix_block_barriers",
+                   action="store_false",
+                   help="wait only at the end of each layer pair: a block's collectives may "
+                        "still be in flight when the next block starts (readers wait for what "
+                        "they read); measured slower on the emulated cluster "
+                        "(docs/benchmark.md)")
+    g.add_argument("--dhelix-no-layer-seams", dest="dhelix_layer_seams",
+                   action="store_false", default=True,
+                   help="run the layer pairs of an SI block strictly one after the other; by "
+                        "default a pair's trailing backward-only blocks run together with the "
+                        "next pair's leading forward-only blocks (docs/runtime.md)")
+    g.add_argument("--dhelix-attention", choices=ATTENTION_CHOICES, default="megatron",
+                   help="core attention of the local layer spec (default megatron): megatron "
+                        "is megatron-core's unfused DotProductAttention, sdpa torch's "
+                        "scaled_dot_product_attention (fused kernels on CUDA, causal masks "
+                        "only); applies with and without --dhelix "
+                        "(megatron_patches.sdpa_attention)")
+    g.add_argument("--dhelix-commfree-timing-only", action="store_true",
+                   help="BENCHMARK ONLY: replace every TP collective of the layers with a "
+                        "no-op (timing only, wrong numerics: the communication-free bound)")
+    return g
+
+
+def check_dhelix_files(ns: argparse.Namespace) -> None:
+    """--dhelix-plan / --dhelix-profile, before anything is built: each given only with
+    --dhelix, an existing regular file this process can read, holding a valid dhelix plan /
+    profile of the format version this dhelix reads (whether it fits this run's model,
+    layout and hardware is checked once the model exists, `dhelix.runtime.setup`). Raises
+    ArgumentError. Used by the plugin's argument hook (`dhelix.megatron_lm_checks`) and by
+    the look-alike trainer's parser (`dhelix.arguments`)."""
+    from dhelix.file_formats import FormatError
+    from planner.plan import load_plan
+    from profiler.profile_file import load_profile
+
+    for dest, load in (("dhelix_plan", load_plan), ("dhelix_profile", load_profile)):
+        path = getattr(ns, dest, None)
+        if path is None:
+            continue
+        if not ns.dhelix:
+            raise ArgumentError(f"{flag(dest)} needs --dhelix (without it the file would be "
+                                f"ignored); add --dhelix or drop {flag(dest)}")
+        check_readable_file(flag(dest), path)
+        try:
+            load(path)
+        except FormatError as exc:
+            raise ArgumentError(f"{flag(dest)} {exc}") from None

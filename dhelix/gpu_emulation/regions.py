@@ -1,0 +1,103 @@
+"""Region charges: Megatron's unfused core attention charged as a whole from the profile.
+
+Megatron's `DotProductAttention` (the local spec's core attention) issues baddbmm, scale,
+mask fill, softmax (fp32 when `attention_softmax_in_fp32`), dropout and bmm, and their
+backward: on a GPU most of its time is memory traffic over the s x s scores, which the
+element-wise bandwidth of norms and SwiGLU does not describe. The profile times that
+attention as one operator (`attention.fwd/bwd(...)`, fitted as `KernelTimeModel.attention`
+"unfused"), so `attention_regions` charges each core-attention forward and backward that
+operator's time for its shape to the innermost active `GpuEmulationMode` and absorbs the
+kernels inside (`GpuEmulationMode.enter_region`); with no mode active the hooks do nothing:
+
+- forward: from the module's forward pre-hook to its forward hook;
+- backward: from its full backward pre-hook (the output's gradient is ready) to its full
+  backward hook (the query's, key's and value's gradients are computed). On CPU autograd
+  runs the core attention's backward nodes in one stretch: nothing else in the layer can
+  run before the gradients of its inputs exist.
+
+The hooks fire wherever the module is called: Megatron's own SelfAttention and dhelix's
+attention operator (`megatron_patches.layer_regions.attention_core`) alike. A fused core
+attention (`megatron_patches.sdpa_attention.SDPAttention`) gets no region: its SDPA kernel is
+charged at the fused rate by `aten_costs.kernel_ms`. The profile's attention entry also
+covers the QKV split and RoPE (`dhelix.ops.kernels.AttentionForward`), which run outside the
+core attention and stay charged per kernel: the fit takes their traced bytes off the
+profile's attention time (`kernel_model.fit_kernel_model(traced_bytes=...)`), so the region
+and the kernels around it add up to the profile's entry.
+
+The hooks stay registered while the context is open, across modes: a forward run under one
+mode and its backward under another (the profile trace) charge each its own mode.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from dhelix.gpu_emulation.mode import GpuEmulationMode
+
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+def active_mode() -> GpuEmulationMode | None:
+    """The innermost `GpuEmulationMode` on this thread's dispatch-mode stack (torch's
+    `_get_current_dispatch_mode_stack`), or None."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, GpuEmulationMode):
+            return mode
+    return None
+
+
+def core_attention_ms(mode: GpuEmulationMode, module, s: int, b: int, phase: str) -> float:
+    """Modelled ms of one unfused core attention of `module` (a `DotProductAttention`: its
+    heads per rank, head size and mask type) over `s` tokens x `b` sequences in `phase`
+    ("fwd" / "bwd"), at the profile's attention rate."""
+    return mode.model.attention_ms(
+        s, b, module.num_attention_heads_per_partition, module.hidden_size_per_attention_head,
+        causal=module.attn_mask_type in _CAUSAL, phase=phase, kernel="unfused")
+
+
+def _enter(module, s: int, b: int, phase: str) -> None:
+    mode = active_mode()
+    if mode is not None:
+        mode.enter_region(f"attention.unfused.{phase}", core_attention_ms(mode, module, s, b,
+                                                                           phase))
+
+
+def _exit() -> None:
+    mode = active_mode()
+    if mode is not None and mode.in_region:
+        mode.exit_region()
+
+
+@contextmanager
+def attention_regions(model: torch.nn.Module):
+    """While open, every `DotProductAttention` in `model` charges its forward and backward
+    as one region each (see the module docstring). Removes its hooks on exit (a backward
+    whose forward ran inside the context still fires them: autograd keeps them)."""
+
+    def forward_pre(module, args, kwargs):
+        query = args[0] if args else kwargs["query"]  # [s, b, heads, d]
+        _enter(module, query.shape[0], query.shape[1], "fwd")
+
+    def backward_pre(module, grad_output):
+        grad = grad_output[0]  # [s, b, heads x d]
+        _enter(module, grad.shape[0], grad.shape[1], "bwd")
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, DotProductAttention):
+            handles += [
+                module.register_forward_pre_hook(forward_pre, with_kwargs=True),
+                module.register_forward_hook(lambda *_: _exit()),
+                module.register_full_backward_pre_hook(backward_pre),
+                module.register_full_backward_hook(lambda *_: _exit()),
+            ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
