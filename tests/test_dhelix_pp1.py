@@ -56,23 +56,10 @@ CASES_TP4 = {
 }
 
 
-def _ops_args(megatron_args) -> list:
-    """MEGATRON_ARGS without the tokenizer, layer implementation and training-loop interval
-    options (each with its value), which `dhelix ops` (a layer's operator programs) does not
-    take."""
-    dropped = {"--tokenizer-type", "--transformer-impl", "--log-interval", "--eval-interval",
-               "--eval-iters", "--num-workers"}
-    kept = []
-    for i, word in enumerate(megatron_args):
-        if word not in dropped and (i == 0 or megatron_args[i - 1] not in dropped):
-            kept.append(word)
-    return kept
-
-
 def make_plan_file(directory: Path, megatron_args: list) -> Path:
     """The documented user flow: `dhelix ops --export-dag` prints the `dhelix plan` command
     for the run; run it. Returns the plan path."""
-    ops = subprocess.run([sys.executable, "-m", "dhelix", "ops", *_ops_args(megatron_args),
+    ops = subprocess.run([sys.executable, "-m", "dhelix", "ops", *megatron_args,
                           "--export-dag", str(directory)], capture_output=True, text=True,
                          check=True, cwd=directory.parent, timeout=120)
     command = ops.stdout.strip().splitlines()[-1].split("  [")[0].strip()
