@@ -277,8 +277,12 @@ class PretrainedRun:
     def forward_backward(self, forward_only: bool = False) -> list:
         """The forward/backward function alone over one global batch, grads zeroed first
         (as `train_step` does), no optimizer step; returns the per-micro-batch loss reports
-        (on the stage that computes the loss)."""
+        (on the stage that computes the loss). Megatron's rerun state machine is disabled
+        for the call, as `evaluate()` disables it (outside `train_step`'s rerun loop its
+        `validate_result`, which the loss function calls, would refuse to run); the loss
+        is still checked, and a rejected one raises."""
         from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
         with self.active():
             if not forward_only:
@@ -286,11 +290,17 @@ class PretrainedRun:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
             args = self.args
-            return self.forward_backward_func(
-                forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
-                model=self.model, num_microbatches=get_num_microbatches(),
-                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.decoder_seq_length, forward_only=forward_only)
+            rerun = get_rerun_state_machine()
+            mode = rerun.get_mode()
+            rerun.set_mode(RerunMode.DISABLED)
+            try:
+                return self.forward_backward_func(
+                    forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
+                    model=self.model, num_microbatches=get_num_microbatches(),
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    decoder_seq_length=args.decoder_seq_length, forward_only=forward_only)
+            finally:
+                rerun.set_mode(mode)
 
     def close(self) -> None:
         """Forget this run; when it was the last one alive, tear down Megatron's global state
