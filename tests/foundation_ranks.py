@@ -5,13 +5,11 @@ process pays ~4 s of imports on a 2-core machine."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dhelix.arguments import parse_args
-from dhelix.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from dhelix.folding import uses_folded_model
 from dhelix.parallel import (
     Job,
@@ -92,70 +90,6 @@ def compare_steps(ref: list[dict], got: list[dict]) -> list[dict]:
             row["grad_diff"], row["grad_key"] = max_abs_diff(r["grads"], g["grads"])
         row["param_diff"], row["param_key"] = max_abs_diff(r["params"], g["params"])
         report.append(row)
-    return report
-
-
-def untag_sequence_parallel_norms(trainer: Trainer) -> int:
-    """Negative control for the SP LayerNorm trap: drop the `sequence_parallel` tag from
-    the norm parameters, as a naively built torch norm would. Returns how many."""
-    count = 0
-    for chunk in trainer.model:
-        for param in chunk.module.parameters():
-            if getattr(param, "sequence_parallel", False):
-                del param.sequence_parallel
-                count += 1
-    if count == 0:
-        raise AssertionError("no sequence_parallel-tagged parameters to untag")
-    return count
-
-
-def layout_parity_and_resume(ctx, workdir: str, groups: dict, steps: int = 3) -> dict:
-    """For each group `{name: {"extra_args": [...], "distopt": bool, "layouts": {name: spec}}}`:
-    a reference TP1xPP1 (DP = world) run with the group's options, then each layout
-    from the same initial weights and data, and resume checks (`spec["resume"]`) from a
-    checkpoint the reference saved after 2 steps. With `group["try_optimizer_load"]` the
-    reference then loads that checkpoint with its optimizer state, recorded under
-    `<group>_optimizer_load`: "loaded" or the CheckpointError's message.
-
-    Returns (on every rank) {layout_name: [per-step comparison rows]}.
-    """
-    job = init_process_group_from_env()
-    report = {}
-    for group_name, group in groups.items():
-        workdir_group = Path(workdir) / group_name
-        extra = group.get("extra_args", ())
-        ref = build_trainer(tiny_args(distopt=group.get("distopt", False), extra=extra), job)
-        save_checkpoint(ref, workdir_group / "init")
-        ref_steps = []
-        for k in range(steps):
-            ref_steps.append(observed_step(ref, with_grads=not group.get("distopt", False)))
-            if k == 1:
-                save_checkpoint(ref, workdir_group / "resume")
-        if group.get("try_optimizer_load"):
-            try:
-                load_checkpoint(ref, workdir_group / "resume")
-                report[f"{group_name}_optimizer_load"] = "loaded"
-            except CheckpointError as exc:
-                report[f"{group_name}_optimizer_load"] = str(exc)
-        for name, spec in group["layouts"].items():
-            args = tiny_args(tp=spec["tp"], pp=spec["pp"], sp=spec.get("sp", False),
-                             distopt=spec.get("distopt", False), extra=extra)
-            trainer = build_trainer(args, job)
-            if spec.get("untag_sp_norms"):
-                untag_sequence_parallel_norms(trainer)
-            if spec.get("resume"):
-                load_checkpoint(trainer, workdir_group / "resume")
-                expected = ref_steps[trainer.iteration:]
-            else:
-                load_checkpoint(trainer, workdir_group / "init", load_optimizer=False)
-                expected = ref_steps
-            # With the distributed optimizer each DP rank holds only its reduce-scattered
-            # grad shard, so such runs are compared through losses and updated params.
-            with_grads = not args.use_distributed_optimizer
-            got = [observed_step(trainer, with_grads) for _ in expected]
-            report[name] = compare_steps(expected, got)
-    destroy_parallel_state()
-    dist.barrier()
     return report
 
 
