@@ -4,8 +4,6 @@ process pays ~4 s of imports on a 2-core machine."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -20,6 +18,7 @@ from dhelix.parallel import (
 )
 from dhelix.parity import gather_full_tensors, max_abs_diff
 from dhelix.training import Trainer, forward_step, reduce_loss_to_all_ranks
+from tests.plugin_pipeline_ranks import compare_steps, gathered_engine_record
 
 
 def tiny_args(tp=1, pp=1, sp=False, distopt=False, extra=()):
@@ -69,28 +68,9 @@ def engine_record(trainer: Trainer) -> list[dict]:
     """Every rank's record of what the `--dhelix` trainer's last forward/backward call ran
     (`ScheduleEngine.last_step`, counted by the executor while it ran), with the engine's
     type, the pass engine and the length of that rank's listed actions."""
-    engine = trainer.dhelix.engine
-    step = engine.last_step
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    schedule = engine.schedule(pp, trainer.args.num_microbatches, step.forward_only)
-    mine = {**dataclasses.asdict(step), "engine": type(engine).__name__,
-            "listed": len(schedule.ranks[step.stage]),
-            "si_blocks": sum(a.kind == "SI" for a in schedule.ranks[step.stage])}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
-
-
-def compare_steps(ref: list[dict], got: list[dict]) -> list[dict]:
-    """Per step: |loss diff|, max abs grad diff (if both have grads), max abs param diff."""
-    report = []
-    for r, g in zip(ref, got):
-        row = {"loss_ref": r["loss"], "loss": g["loss"], "loss_diff": abs(r["loss"] - g["loss"])}
-        if r["grads"] is not None and g["grads"] is not None:
-            row["grad_diff"], row["grad_key"] = max_abs_diff(r["grads"], g["grads"])
-        row["param_diff"], row["param_key"] = max_abs_diff(r["params"], g["params"])
-        report.append(row)
-    return report
+    return gathered_engine_record(trainer.dhelix.engine,
+                                  parallel_state.get_pipeline_model_parallel_world_size(),
+                                  trainer.args.num_microbatches)
 
 
 def _plan_with_a_seam(trainer) -> None:
