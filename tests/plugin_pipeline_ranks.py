@@ -213,6 +213,7 @@ def layout_parity_and_resume(workdir: Path, groups: dict, steps: int = 3) -> dic
         if group.get("try_optimizer_load"):
             report[f"{group_name}_optimizer_load"] = _outcome(lambda: tiny_run(
                 *layout_args(distopt=distopt), *extra, "--load", str(root / "resume")))
+        close_runs()
         for name, spec in group["layouts"].items():
             layout = layout_args(spec["tp"], spec["pp"], spec.get("sp", False),
                                  spec.get("distopt", False))
@@ -227,7 +228,7 @@ def layout_parity_and_resume(workdir: Path, groups: dict, steps: int = 3) -> dic
             with_grads = not spec.get("distopt", False)
             got = [observed_step(run, with_grads) for _ in expected]
             report[name] = compare_steps(expected, got)
-        close_runs()
+            close_runs()
     return report
 
 
@@ -356,6 +357,7 @@ def folded_parity(workdir: Path, cases: dict) -> dict:
         row["exec_1f1b_loss_diff"] = abs(loss - ref_loss)
         row["exec_1f1b_grad_diff"], _ = max_abs_diff(ref_grads, grads)
         row["stock_embedding_group"] = _stock_embedding_group_rejected(stock)
+        close_runs()
 
         folded = tiny_run(*layout, *extra, "--dhelix", *from_checkpoint(root / "stock_init"))
         row["load_stock_param_diff"], _ = max_abs_diff(init_params, full_params(folded))
@@ -374,6 +376,7 @@ def folded_parity(workdir: Path, cases: dict) -> dict:
         stepped = full_params(folded)
         row["step_changed_params"], _ = max_abs_diff(init_params, stepped)
         save_megatron_checkpoint(folded, root / "folded_step")
+        close_runs()
 
         back_tp, back_pp = case["back"]
         back = tiny_run(*layout_args(back_tp, back_pp), *extra,
@@ -421,12 +424,14 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
         ref = tiny_run(*argv)
         ref_init = full_params(ref)
         ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
+        ref_eval = eval_loss(ref)
+        close_runs()
         run = tiny_run(*argv, "--dhelix", "--dhelix-pairer", spec.get("pairer", "dp"))
         init_diff, init_key = max_abs_diff(ref_init, full_params(run))
         counter = PairCounter(run.dhelix.runner)
         got = [observed_step(run, with_grads=True) for _ in range(steps)]
         trained = engine_record(run)
-        eval_diff = abs(eval_loss(ref) - eval_loss(run))
+        eval_diff = abs(ref_eval - eval_loss(run))
         pairs = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, counter.pairs)
         with run.active():
@@ -444,8 +449,8 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
 def pipeline_matrices(ctx, workdir: str, layout_groups: dict, folded_cases: dict,
                       pipeline_cases: dict) -> dict:
     """Every matrix of one launch, in turn (an empty dict skips one): {"layout": ...,
-    "folded": ..., "pipeline": ...} on every rank. Each matrix closes its runs after each
-    case (`close_runs`)."""
+    "folded": ..., "pipeline": ...} on every rank. Each matrix closes every run (and its
+    process groups, `close_runs`) as soon as it has what it needs from it."""
     from megatron_patches.step_harness import close_all_runs
 
     root = Path(workdir)

@@ -46,6 +46,7 @@ def report():
     rows = four_rank_report()["layout"]
     for name, steps in rows.items():
         if name.endswith("_optimizer_load"):
+            print(f"{name}: {steps}")
             continue
         for i, row in enumerate(steps):
             print(f"{name} step {i}: loss diff {row['loss_diff']:.2e}, "
