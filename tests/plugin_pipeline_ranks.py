@@ -199,10 +199,13 @@ def _fresh_step(run, replay: _Replay, schedule=None) -> tuple[float, dict]:
     """One forward/backward of the first global batch with `schedule` (a function with
     Megatron's forward_backward_func signature; default the run's own): (global loss, full
     grads by checkpoint key)."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
     from dhelix.parity import gather_full_tensors
 
     own = run.forward_backward_func
-    run.data_iterator = replay.fresh()
+    # wrapped as pretrain() wraps its data iterators (the rerun state machine replays them)
+    run.data_iterator = RerunDataIterator(replay.fresh())
     run.forward_backward_func = schedule or own
     try:
         losses = run.forward_backward()
