@@ -6,8 +6,8 @@ launches anything.
 the plugin's hooks (`dhelix.megatron_lm.install_plugin`: the `--dhelix*` arguments, the
 machine adaptations, the plugin's parse-time refusals) and then Megatron's `validate_args`
 (hooked too: the typed run is built) as scripts/pretrain_gpt.py does, for a world of
-`world_size` ranks. `transformer_config(args)` is the `TransformerConfig` `pretrain()` builds
-for the model (`core_transformer_config_from_args`, as `gpt_config_from_args` calls it).
+`world_size` ranks. The `TransformerConfig` `pretrain()` builds from them is Megatron's
+`core_transformer_config_from_args(args)` (as `gpt_config_from_args` calls it).
 
 Megatron builds its parser anew on every `parse_args` call and, for the help strings of the
 arguments generated from its config dataclasses, re-reads and re-parses those classes' source
@@ -83,10 +83,3 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> argpa
     finally:
         sys.argv = saved
     return args
-
-
-def transformer_config(args: argparse.Namespace):
-    """The megatron-core TransformerConfig `pretrain()` builds from validated `args`."""
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
-    return core_transformer_config_from_args(args)

@@ -221,12 +221,13 @@ class LayerDescription:
                   rank: int = 0) -> "LayerDescription":
         """Description from Megatron's validated arguments
         (`megatron_patches.parsed_arguments.parse_megatron_args`, or `get_args()` in a
-        run): the TransformerConfig `pretrain()` builds from them, so both agree on every
+        run): the TransformerConfig `pretrain()` builds from them
+        (`core_transformer_config_from_args`), so both agree on every
         derived size; the core attention `--dhelix-attention` selects."""
-        from megatron_patches.parsed_arguments import transformer_config
+        from megatron.training.argument_utils import core_transformer_config_from_args
 
         return cls.from_config(
-            transformer_config(args), args.seq_length, args.micro_batch_size,
+            core_transformer_config_from_args(args), args.seq_length, args.micro_batch_size,
             rope=args.position_embedding_type == "rope",
             tp_ranks=tensor_parallel_ranks(args.tensor_model_parallel_size, rank),
             topology=topology, attention=args.dhelix_attention,

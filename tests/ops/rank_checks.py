@@ -14,10 +14,11 @@ import random
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.training.argument_utils import core_transformer_config_from_args
 
 from dhelix.memtrace import measure_peak
 from dhelix.ops.runner import LayerStack
-from megatron_patches.parsed_arguments import parse_megatron_args, transformer_config
+from megatron_patches.parsed_arguments import parse_megatron_args
 from tests.megatron_lm_ranks import TINY
 
 SEQ, BATCH, HIDDEN, HEADS, FFN = 16, 2, 64, 8, 128
@@ -77,7 +78,7 @@ def build_layers(args, perturb_seed: int = 7):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    config = transformer_config(args)
+    config = core_transformer_config_from_args(args)
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     layers = torch.nn.ModuleList(
         [build_module(spec, config=config, layer_number=i + 1) for i in range(args.num_layers)]

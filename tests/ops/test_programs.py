@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from megatron.training.argument_utils import core_transformer_config_from_args
 
 from dhelix.dag import check_order, load_dag
 from dhelix.file_formats import FormatError
@@ -13,7 +14,7 @@ from dhelix.ops.describe import LayerDescription, UnsupportedLayerError
 from dhelix.ops.layer_program import build_layer_programs
 from dhelix.ops.registry import get_kernel, kernel_names
 from dhelix.topology import NodeTopology
-from megatron_patches.parsed_arguments import parse_megatron_args, transformer_config
+from megatron_patches.parsed_arguments import parse_megatron_args
 from tests.megatron_lm_ranks import TINY
 
 SP_FWD = ["ln1", "qkv.ag", "qkv", "attn", "proj", "proj.rs", "bda1", "ln2", "fc1.ag", "fc1",
@@ -184,7 +185,7 @@ def test_config_checks_name_moe_and_context_parallelism():
 
     from dhelix.ops.describe import check_supported_config
 
-    config = transformer_config(parse_megatron_args(TINY))
+    config = core_transformer_config_from_args(parse_megatron_args(TINY))
     check_supported_config(config)
     moe = replace(config, num_moe_experts=4, moe_ffn_hidden_size=128)
     with pytest.raises(UnsupportedLayerError, match="MoE"):
