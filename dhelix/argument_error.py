@@ -2,8 +2,8 @@
 argument names a file this process can read (`check_readable_file`).
 
 Shared by the plugin's `--dhelix*` file checks (`dhelix.dhelix_arguments`), the presets of
-`dhelix train` (`dhelix.presets`), the typed options (`dhelix.options.OptionError`) and the
-look-alike trainer's value checks (`dhelix.input_checks`). Everything here runs before any
+`dhelix train` (`dhelix.presets`) and the typed options (`dhelix.options.OptionError`).
+Everything here runs before any
 process group exists and creates nothing on disk.
 """
 

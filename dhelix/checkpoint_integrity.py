@@ -16,9 +16,8 @@ Guarantees:
 - `damage_message` and `tracker_problem` word a refusal as one line naming the file and
   what to do (an earlier iteration with --ckpt-step, --no-load-optim when only optimizer
   state is hit). They serve the plugin's hook around Megatron's own save/load
-  (`megatron_patches.checkpoint_guard`) and, while it exists, the look-alike trainer's
-  checkpoints (`dhelix.checkpointing`, which writes optimizer state to files of its own):
-  the layout (`iter_XXXXXXX/`, `latest_checkpointed_iteration.txt`) is Megatron-LM's.
+  (`megatron_patches.checkpoint_guard`): the layout (`iter_XXXXXXX/`,
+  `latest_checkpointed_iteration.txt`) is Megatron-LM's.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ from dhelix.options import ATTENTION_CHOICES, PAIRERS
 def add_dhelix_runtime_args(p: argparse.ArgumentParser):
     """Add the `--dhelix*` arguments of the DHelix runtime (`dhelix.runtime.setup`) to `p`
     in a group "dhelix", which is returned. Used by the Megatron-LM plugin on Megatron's own
-    parser (`megatron_patches.training_hooks`) and by the look-alike trainer's parser
-    (`dhelix.arguments`)."""
+    parser (`megatron_patches.training_hooks`)."""
     g = p.add_argument_group("dhelix")
     g.add_argument("--dhelix", action="store_true",
                    help="co-execute micro-batch pairs (one forward with another's backward)")
@@ -60,8 +59,7 @@ def check_dhelix_files(ns: argparse.Namespace) -> None:
     --dhelix, an existing regular file this process can read, holding a valid dhelix plan /
     profile of the format version this dhelix reads (whether it fits this run's model,
     layout and hardware is checked once the model exists, `dhelix.runtime.setup`). Raises
-    ArgumentError. Used by the plugin's argument hook (`dhelix.megatron_lm_checks`) and by
-    the look-alike trainer's parser (`dhelix.arguments`)."""
+    ArgumentError. Used by the plugin's argument hook (`dhelix.megatron_lm_checks`)."""
     from dhelix.file_formats import FormatError
     from planner.plan import load_plan
     from profiler.profile_file import load_profile

@@ -7,9 +7,9 @@ argument namespace.
 Where they are built:
 - Megatron-LM plugin: `megatron_patches.run_options.run_from_megatron_args`, right after
   Megatron's `validate_args` (so after `--use-checkpoint-args` loaded the checkpoint's
-  arguments, and with Megatron's derived sizes).
-- dhelix's look-alike trainer (kept while the benchmark, the profiler, `dhelix ops` and
-  the parity matrices still build their model through it): `dhelix.arguments.trainer_run`.
+  arguments, and with Megatron's derived sizes). The benchmark, the profiler, `dhelix ops`
+  and the parity tests go through the same function (they parse with Megatron's parser
+  under the plugin).
 
 `DHelixRun` checks the rules that tie the `--dhelix*` options to the model and layout when
 it is built (`check_run`, the one place they are checked): building an unsupported run

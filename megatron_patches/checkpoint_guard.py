@@ -20,6 +20,10 @@ names `megatron.training.training` imported from it, which `pretrain()` calls):
   manifest records, ends every rank with one `error: ...` line naming the file and what to
   do (exit code 2); nothing is loaded. A checkpoint with no manifest (saved by stock
   Megatron-LM, not through the plugin) loads unverified, with one `warning:` line on rank 0.
+  Optimizer state megatron-core cannot load (SGD's) is refused the same way, naming
+  `--no-load-optim`; optimizer state that loads gets the shim of
+  `megatron_patches.optimizer_state.loadable_optimizer_state` around the load (without
+  Apex/TE Megatron cannot otherwise load distributed-optimizer state into a fresh optimizer).
 
 Collective like the calls they wrap: every rank must call them.
 """
@@ -170,13 +174,22 @@ def _wrap_load(original):
         from megatron.training import get_args
 
         from dhelix.rank_errors import exit_with_error
+        from megatron_patches.optimizer_state import (
+            loadable_optimizer_state,
+            optimizer_load_refusal,
+        )
 
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
-        refusal = load_refusal(get_args(), call.arguments["load_arg"])
+        megatron_args, load_arg = get_args(), call.arguments["load_arg"]
+        optimizer = call.arguments["optimizer"]
+        refusal = load_refusal(megatron_args, load_arg)
+        if refusal is None:
+            refusal = optimizer_load_refusal(megatron_args, load_arg, optimizer)
         if refusal is not None:
             exit_with_error(refusal)
-        return original(*args, **kwargs)
+        with loadable_optimizer_state(megatron_args, load_arg, optimizer):
+            return original(*args, **kwargs)
 
     return load_checkpoint
 

@@ -56,11 +56,6 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.utils import get_pg_rank
 
 from dhelix.folding import FIRST_HALF, SECOND_HALF, FoldedLayout
-from megatron_patches.model_provider import (
-    final_norm_spec,
-    layer_spec,
-    transformer_config_from_args,
-)
 from megatron_patches.stage_rng import pipeline_stage_rng
 
 
@@ -318,31 +313,3 @@ class FoldedGPTModel(GPTModel):
             rotary_pos_sin=rotary_pos_sin, mtp_in_postprocess=False, loss_mask=loss_mask,
             decoder_input=decoder_input, attention_mask=attention_mask,
             packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
-
-
-def build_folded_model_chunks(args) -> tuple[TransformerConfig, list]:
-    """This rank's folded stage, as `(config, [model])` like `build_model_chunks`, for
-    dhelix's Megatron-style `args` (`dhelix.arguments`).
-
-    Raises `dhelix.folding.FoldingError` when --num-layers is not a multiple of
-    2 x --pipeline-model-parallel-size.
-    """
-    layout = FoldedLayout(args.num_layers, args.pipeline_model_parallel_size)
-    config = transformer_config_from_args(args)
-    model = FoldedGPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, args),
-        final_norm=final_norm_spec(args),
-        layout=layout,
-        stage=parallel_state.get_pipeline_model_parallel_rank(),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        seed=args.seed,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-    )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return config, [model]

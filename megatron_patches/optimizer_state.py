@@ -1,4 +1,6 @@
-"""Optimizer-state shim for loading distributed-optimizer checkpoints without Apex/TE.
+"""Optimizer-state shim for loading distributed-optimizer checkpoints without Apex/TE, and
+the refusal of optimizer state megatron-core cannot load (`optimizer_load_refusal`); both
+run around Megatron-LM's `load_checkpoint` under the plugin (`megatron_patches.checkpoint_guard`).
 
 Replaces nothing in Megatron's files; wraps the `init_state_fn` that megatron-core attaches
 to each optimizer. Why: without Apex or Transformer Engine, `DistributedOptimizer.state_dict`
@@ -10,6 +12,9 @@ torch Adam's own state layout; the loaded checkpoint then overwrites it.
 """
 
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
 
 import torch
 
@@ -73,3 +78,43 @@ def restore_adam_steps_after_load(optimizer) -> None:
                 if state and "step" in state:
                     state["step"] = torch.tensor(float(step), dtype=torch.float32,
                                                  device="cpu")
+
+
+def _loads_optimizer_state(args, load_arg: str, optimizer) -> bool:
+    """Whether Megatron-LM's `load_checkpoint(..., load_arg)` will read optimizer state: an
+    optimizer, a checkpoint directory, neither `--no-load-optim` nor `--finetune`."""
+    root = getattr(args, load_arg, None)
+    return (optimizer is not None and bool(root) and Path(root).is_dir()
+            and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False))
+
+
+def optimizer_load_refusal(args, load_arg: str, optimizer) -> str | None:
+    """The one-line reason Megatron-LM's load of optimizer state into `optimizer` cannot
+    work, or None: megatron-core 0.19.2 (as 0.16.1) builds SGD without a state initialiser
+    (`megatron_patches.compat.optimizer_state_loadable`), and its
+    `sharded_state_dict(is_loading=True)` then raises a bare TypeError."""
+    from megatron_patches.compat import megatron_core_version, optimizer_state_loadable
+
+    if not _loads_optimizer_state(args, load_arg, optimizer) or optimizer_state_loadable(
+            optimizer):
+        return None
+    return (f"--{load_arg.replace('_', '-')} {getattr(args, load_arg)}: megatron-core "
+            f"{megatron_core_version()} cannot load --optimizer {args.optimizer} state; pass "
+            "--no-load-optim to load only the model (the optimizer state starts fresh)")
+
+
+@contextlib.contextmanager
+def loadable_optimizer_state(args, load_arg: str, optimizer):
+    """Around Megatron-LM's `load_checkpoint`: when it reads optimizer state, the fresh
+    optimizer gets its empty state first (`ensure_optimizer_state`: without Apex/TE the
+    distributed optimizer's `state_dict()` needs torch Adam's `step`), the load runs without
+    autograd (the distributed optimizer copies its loaded main params in place into the
+    model's parameters, leaves that require grad), and torch Adam's per-parameter `step` is
+    set from the loaded one after (`restore_adam_steps_after_load`)."""
+    if not _loads_optimizer_state(args, load_arg, optimizer):
+        yield
+        return
+    ensure_optimizer_state(optimizer)
+    with torch.no_grad():
+        yield
+    restore_adam_steps_after_load(optimizer)

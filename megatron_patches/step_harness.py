@@ -292,28 +292,45 @@ class PretrainedRun:
                            forward_backward_s=timed.seconds)
 
     def forward_backward(self, forward_only: bool = False) -> list:
-        """The forward/backward function alone over one global batch, grads zeroed first
-        (as `train_step` does), no optimizer step; returns the per-micro-batch loss reports
-        (on the stage that computes the loss). Runs inside Megatron's rerun state machine
-        as `train_step` does (`should_run_forward_backward`: a loss function that validates
-        its result, as pretrain_gpt's does, needs it)."""
+        """The forward/backward function alone over one global batch, no optimizer step;
+        returns the per-micro-batch loss reports (on the stage that computes the loss).
+        Training (`forward_only=False`) runs it as `train_step` does: grads zeroed first,
+        inside Megatron's rerun-state-machine loop (`should_run_forward_backward`, which the
+        forward step's `validate_result` needs). Forward only runs it as `evaluate()` does:
+        the model chunks in eval mode (train mode again after), result validation disabled
+        (`RerunMode.DISABLED`, the previous mode restored after), under `torch.no_grad()`.
+        Both read the run's training data iterator."""
+        import torch
         from megatron.core.num_microbatches_calculator import get_num_microbatches
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
         with self.active():
-            rerun_state_machine = get_rerun_state_machine()
-            losses = None
-            while rerun_state_machine.should_run_forward_backward(self.data_iterator):
-                if not forward_only:
+            args = self.args
+            call = functools.partial(
+                self.forward_backward_func, forward_step_func=self.forward_step_func,
+                data_iterator=self.data_iterator, model=self.model,
+                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=args.decoder_seq_length, forward_only=forward_only)
+            rerun = get_rerun_state_machine()
+            if forward_only:
+                mode = rerun.get_mode()
+                rerun.set_mode(RerunMode.DISABLED)
+                for chunk in self.model:
+                    chunk.eval()
+                try:
+                    with torch.no_grad():
+                        return call()
+                finally:
                     for chunk in self.model:
-                        chunk.zero_grad_buffer()
-                    self.optimizer.zero_grad()
-                args = self.args
-                losses = self.forward_backward_func(
-                    forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
-                    model=self.model, num_microbatches=get_num_microbatches(),
-                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                    decoder_seq_length=args.decoder_seq_length, forward_only=forward_only)
+                        chunk.train()
+                    rerun.set_mode(mode)
+            losses = None
+            while rerun.should_run_forward_backward(self.data_iterator):
+                for chunk in self.model:
+                    chunk.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                losses = call()
             return losses
 
     def close(self) -> None:

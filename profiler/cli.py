@@ -1,13 +1,16 @@
 """`dhelix profile`: measure a layer's operators alone and in pairs on this hardware and
 write the profile the planner needs (plus an OEF heatmap by operator class).
 
-    torchrun --nproc-per-node 2 -m dhelix profile --preset tiny \
-        --tensor-model-parallel-size 2 -o profile.json [--max-pairs N] [--repeats R]
-        [--warmup W] [--heatmap PNG | --no-heatmap] [--overwrite] [--comp-only]
+    torchrun --nproc-per-node 2 -m dhelix profile [--preset NAME|FILE] <Megatron arguments>
+        -o profile.json [--max-pairs N] [--repeats R] [--warmup W]
+        [--heatmap PNG | --no-heatmap] [--overwrite] [--comp-only]
     dhelix profile --show profile.json [--heatmap PNG]
 
-Model and parallel arguments are Megatron's, as for pretraining (the same arguments give
-the same cost keys as `--dhelix` training looks up). Run it on all ranks of the parallel
+Model and parallel arguments are Megatron's, as for pretraining under the plugin
+(`dhelix.megatron_lm`; `--preset` expands to Megatron arguments as for `dhelix train`): the
+layer is the one `megatron.training.pretrain` builds for them, so the same arguments give
+the same cost keys and fingerprints as `--dhelix` training checks. The profiler's own options
+(above) are taken out before Megatron parses the rest. Run it on all ranks of the parallel
 groups being profiled (across nodes when the tensor-parallel group spans nodes, e.g. inside
 `dhelix cluster`). Without torchrun's environment it runs as one process (TP=1, e.g. the
 single-GPU `--comp-only` profile). An interrupted job leaves `<output>.partial`; re-running
@@ -26,6 +29,9 @@ STOPPED_EXIT_CODE = 3
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default=None,
+                        help="model preset expanded to Megatron arguments: a name in configs/ "
+                             "(e.g. tiny) or a JSON file path (as for `dhelix train`)")
     parser.add_argument("-o", "--output", metavar="PROFILE",
                         help="profile JSON to write (progress goes to PROFILE.partial)")
     parser.add_argument("--warmup", type=int, default=1,
@@ -98,34 +104,89 @@ def show(args) -> int:
     return 0
 
 
+# What `pretrain()` needs to reach its first step that a profiling command line may leave
+# out (the profiler reads no data and takes no step): (option given when any of these
+# options is, arguments added otherwise)
+_RUN_DEFAULTS = (
+    (("--train-iters", "--train-samples"), ["--train-iters", "1"]),
+    (("--mock-data", "--data-path", "--train-data-path", "--data-args-path",
+      "--per-split-data-args-path"), ["--mock-data"]),
+    (("--eval-iters",), ["--eval-iters", "0"]),
+    (("--eval-interval",), ["--eval-interval", "1"]),  # pretrain() divides by it
+    (("--num-workers",), ["--num-workers", "0"]),  # no data-loader processes
+    (("--transformer-impl",), ["--transformer-impl", "local"]),  # the spec dhelix binds
+)
+# the options of a --dhelix training run, which a profile is taken for, not with
+_TRAINING_ONLY = ("dhelix", "dhelix_plan", "dhelix_profile")
+
+
+def megatron_command(args, megatron_argv: list) -> list:
+    """The argv for `megatron_patches.step_harness.build_run`, checked on this rank (by
+    Megatron's parser and validation under the plugin) before any process group or model
+    exists. It is the user's Megatron arguments (`--preset` expanded first, as `dhelix train`
+    does), what `pretrain()` needs to start that they left out (`_RUN_DEFAULTS`), and one
+    layer per pipeline stage (`--num-layers PP`). Refusals: SystemExit after Megatron's or
+    the plugin's one `error:` line; `ArgumentError` (bad preset, `--dhelix` options),
+    `MegatronArgumentError`, `UnsupportedLayerError` (a layer the operator programs do not
+    implement), each one line."""
+    from dhelix.argument_error import ArgumentError, flag
+    from dhelix.launch import preset_arguments
+    from dhelix.ops.describe import LayerDescription
+    from megatron_patches.parsed_arguments import parse_megatron_args
+
+    argv = list(megatron_argv)
+    if args.preset:
+        argv = preset_arguments(args.preset, argv) + argv
+    margs = parse_megatron_args(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    given = [name for name in _TRAINING_ONLY if getattr(margs, name)]
+    if given:
+        flags = ", ".join(flag(name) for name in given)
+        raise ArgumentError(f"{flags}: the profiler measures the layer for a --dhelix run, "
+                            "not with one; drop them (keep --dhelix-attention)")
+    LayerDescription.from_args(margs)  # the layer's refusals, before anything is launched
+    words = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
+    for options, defaults in _RUN_DEFAULTS:
+        if not words.intersection(options):
+            argv += defaults
+    return argv + ["--num-layers", str(margs.pipeline_model_parallel_size)]
+
+
 def profile_job(args, megatron_argv: list):
-    """The measuring job on this rank (collective); returns the ProfileResult."""
-    from dhelix.arguments import parse_args, trainer_run
-    from dhelix.parallel import destroy_parallel_state, init_process_group_from_env
+    """The measuring job on this rank (collective); returns the ProfileResult. The model
+    is the one `pretrain()` builds for the command line (`megatron_command`), closed (with
+    Megatron's global state) before returning."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dhelix.launch import PRETRAIN_SCRIPT
+    from dhelix.parallel import job_of_megatron_group
     from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
     from dhelix.topology import NodeTopology
+    from megatron_patches.run_options import run_from_megatron_args
+    from megatron_patches.step_harness import build_run
     from profiler.model import build_layer_under_test
     from profiler.session import ProfileOptions, run_profile
 
-    margs = parse_args(megatron_argv)
     options = ProfileOptions(warmup=args.warmup, repeats=args.repeats,
                              max_pairs=args.max_pairs, comp_only=args.comp_only)
-    job = init_process_group_from_env(backend=margs.distributed_backend)
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    run = trainer_run(margs)
-    run_info = {"model": model_fingerprint(run), "parallel": parallel_fingerprint(run),
-                "world_size": world,
-                "ranks_per_node": NodeTopology.detect().ranks_per_node or world}
-    layer, timer = build_layer_under_test(margs, job)
+    run = build_run(str(PRETRAIN_SCRIPT), megatron_command(args, megatron_argv))
     try:
-        return run_profile(layer, args.output, run=run_info, options=options,
-                           overwrite=args.overwrite, stop_after=args.stop_after, timer=timer,
-                           show_progress=not args.no_progress,
-                           extra_meta={"layer": layer.bound.description.summary()})
+        with run.active():
+            margs = run.args
+            world = dist.get_world_size()
+            typed = run_from_megatron_args(margs)  # what --dhelix start-up checks against
+            run_info = {"model": model_fingerprint(typed), "parallel": parallel_fingerprint(typed),
+                        "world_size": world,
+                        "ranks_per_node": NodeTopology.detect().ranks_per_node or world}
+            job = job_of_megatron_group(timedelta(minutes=margs.distributed_timeout_minutes))
+            layer, timer = build_layer_under_test(run, job)
+            return run_profile(layer, args.output, run=run_info, options=options,
+                               overwrite=args.overwrite, stop_after=args.stop_after,
+                               timer=timer, show_progress=not args.no_progress,
+                               extra_meta={"layer": layer.bound.description.summary()})
     finally:
-        destroy_parallel_state()
+        run.close()
 
 
 def report(args, result) -> None:
@@ -168,14 +229,16 @@ def run(args) -> int:
     if not args.output:
         print("dhelix profile: error: give -o PROFILE (or --show PROFILE)", file=sys.stderr)
         return 2
-    from dhelix.arguments import ArgumentError
     from dhelix.file_formats import FormatError
+    from dhelix.argument_error import ArgumentError
     from dhelix.ops.describe import UnsupportedLayerError
 
     _single_process_env()
     started = time.monotonic()
     try:
         result = profile_job(args, list(args.extra_args))
+    except SystemExit as exc:  # Megatron's or the plugin's `error:` line is printed
+        return exc.code if isinstance(exc.code, int) else 2
     except (ArgumentError, FormatError, UnsupportedLayerError, ValueError) as exc:
         print(f"dhelix profile: error: {exc}", file=sys.stderr)
         return 2

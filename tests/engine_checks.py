@@ -1,6 +1,7 @@
-"""What a `--dhelix` run's ranks recorded about the engine that ran them
-(`tests.foundation_ranks.engine_record`): one check shared by the PP=1, PP>1, Domino and
-Wavelet parity launches, so all of them are held to the same executor."""
+"""What a `--dhelix` run's ranks recorded about the engine that ran them (`engine_record`
+of tests/plugin_parity_ranks.py): one check shared by the
+PP=1, PP>1, Domino and Wavelet parity launches, so all of them are held to the same
+executor."""
 
 ENGINE = "ScheduleEngine"
 

@@ -5,14 +5,16 @@ Megatron's exactly, and losses, every gradient and every updated parameter equal
 Megatron's own 1F1B schedule, step after step. Layouts: TP2 x PP2 (m = 4 = 2p, and SP with
 m = 3: fewer than 2p and not a multiple of p), TP1 x PP4 (m = 6: fewer than
 2p, not a multiple of p; with m <= p the W has no SI block), TP2 x PP2 x DP2 (8 ranks).
-Run with -s to see the measured differences."""
+Every run is `scripts/pretrain_gpt.py` set up by `megatron.training.pretrain` and stepped
+with Megatron's `train_step` (step harness); the 4-rank cases run in the launch of
+tests/plugin_pipeline_ranks.py (`four_rank_report`, shared with the layout and folded
+matrices). Run with -s to see the measured differences."""
 
 import pytest
 
 from dhelix.harness import run_on_ranks
-from scripts.bench_dhelix_pp1 import bench_body
 from tests.engine_checks import assert_ran_on_the_engine
-from tests.pipeline_ranks import dhelix_pipeline_parity
+from tests.plugin_pipeline_ranks import four_rank_report, peak_memory, pipeline_matrices
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
@@ -37,9 +39,7 @@ CASES_8 = {
 }
 
 
-def _launch(world, cases):
-    report = run_on_ranks(dhelix_pipeline_parity, world, cases, STEPS,
-                          timeout_s=600, env={"OMP_NUM_THREADS": "1"})[0]
+def _print(report):
     for name, case in report.items():
         print(f"{name}: initial params max diff {case['init_param_diff']:.1e} "
               f"({case['init_param_key']})")
@@ -53,12 +53,14 @@ def _launch(world, cases):
 
 @pytest.fixture(scope="module")
 def report_4():
-    return _launch(4, CASES_4)
+    return _print(four_rank_report()["pipeline"])
 
 
 @pytest.fixture(scope="module")
-def report_8():
-    return _launch(8, CASES_8)
+def report_8(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("pipeline8"))
+    return _print(run_on_ranks(pipeline_matrices, 8, workdir, {}, {}, CASES_8,
+                               timeout_s=600, env={"OMP_NUM_THREADS": "1"})[0]["pipeline"])
 
 
 def _check(case):
@@ -89,20 +91,20 @@ def test_dhelix_pp_matches_megatron_1f1b_8_ranks(report_8, name):
 
 
 SEQ, MICRO_BATCH, VOCAB = 256, 2, 1024
-MEMORY_ARGS = ["--preset", "tiny", "--pipeline-model-parallel-size", "2", "--num-layers", "8",
+MEMORY_ARGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
                "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
                "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", "8",
                "--vocab-size", str(VOCAB)]
 
 
 def test_dhelix_pp_peak_memory():
-    """Peak tensor memory of one forward/backward, per rank (tiny preset, sequence 256 so
+    """Peak tensor memory of one forward/backward, per rank (the tiny model, sequence 256 so
     activations dominate). The W keeps p micro-batches in flight on every stage, 1F1B keeps
     p - s on stage s, so per rank only the maximum over ranks is comparable: DHelix's may
     exceed Megatron's by 3% plus one layer's activations (the SI block allocates the next
     forward layer while the backward layer is still alive) plus one micro-batch's logits
     (the loss head sits on stage 0 with the folded model, on the last stage with 1F1B)."""
-    results = run_on_ranks(bench_body, 2, MEMORY_ARGS, 0, 1, timeout_s=600,
+    results = run_on_ranks(peak_memory, 2, MEMORY_ARGS, timeout_s=600,
                            env={"OMP_NUM_THREADS": "1"})
     for r in results:  # TP1 x PP2: rank = stage
         m, d = r["memory"]["megatron"], r["memory"]["dhelix"]

@@ -2,8 +2,10 @@
 pairer (sequential, Wavelet-style round robin, the DP), TP=2 and TP=4, SP on and off, and a
 Llama-style layer, losses and every gradient equal Megatron's no-pipelining schedule from
 the same weights and data, step after step. The Domino-style intra-batch split
-(`--dhelix-pairer domino`, a benchmark baseline) is held to the same parity. One launch per
-world size."""
+(`--dhelix-pairer domino`, a benchmark baseline) is held to the same parity. Every run is
+`scripts/pretrain_gpt.py` set up by `megatron.training.pretrain` under the plugin (the step
+harness, `tests/plugin_parity_ranks.py`) and stepped by Megatron's `train_step`; one launch
+per world size."""
 
 import os
 import re
@@ -16,31 +18,41 @@ import pytest
 
 from dhelix.harness import free_port, run_on_ranks
 from tests.engine_checks import assert_ran_on_the_engine
-from tests.foundation_ranks import dhelix_parity
+from tests.megatron_lm_ranks import SCRIPT, TINY
+from tests.plugin_parity_ranks import ParityCase, pp1_parity
 
 FP32_LOSS = 1e-6
 FP32_GRAD = 2e-7
 FP32_PARAM = 2e-7   # SGD lr 0.05: param diffs are lr x grad diffs
 FP32_EVAL = 1e-6    # |eval loss diff| of one forward-only global batch
 
+TP2 = ("--tensor-model-parallel-size", "2")
+TP4 = ("--tensor-model-parallel-size", "4")
+SP = ("--sequence-parallel",)
 LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-         "--num-query-groups", "2", "--disable-bias-linear")
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear")
+
+
+def dhelix(pairer: str, *extra: str) -> tuple:
+    return ("--dhelix", "--dhelix-pairer", pairer, *extra)
+
 
 CASES_TP2 = {
-    "tp2_sequential": dict(tp=2, pairer="sequential"),
-    "tp2_round_robin": dict(tp=2, pairer="round_robin"),
-    "tp2_dp": dict(tp=2, pairer="dp"),
-    "tp2_dp_seam": dict(tp=2, pairer="dp", seam=True),
-    "tp2_sp_llama_dp_seam": dict(tp=2, sp=True, pairer="dp", extra=LLAMA, seam=True),
-    "tp2_sp_dp": dict(tp=2, sp=True, pairer="dp"),
-    "tp2_sp_llama_dp": dict(tp=2, sp=True, pairer="dp", extra=LLAMA),
-    "tp2_domino": dict(tp=2, pairer="domino"),        # tiny preset: micro-batch 2 -> halves of 1
-    "tp2_sp_domino": dict(tp=2, sp=True, pairer="domino"),
+    "tp2_sequential": ParityCase(TP2, dhelix("sequential")),
+    "tp2_round_robin": ParityCase(TP2, dhelix("round_robin")),
+    "tp2_dp": ParityCase(TP2, dhelix("dp")),
+    "tp2_dp_seam": ParityCase(TP2, dhelix("dp"), seam=True),
+    "tp2_sp_llama_dp_seam": ParityCase(TP2 + SP + LLAMA, dhelix("dp"), seam=True),
+    "tp2_sp_dp": ParityCase(TP2 + SP, dhelix("dp")),
+    "tp2_sp_llama_dp": ParityCase(TP2 + SP + LLAMA, dhelix("dp")),
+    # the tiny model: micro-batch 2 -> halves of 1
+    "tp2_domino": ParityCase(TP2, dhelix("domino")),
+    "tp2_sp_domino": ParityCase(TP2 + SP, dhelix("domino")),
 }
 CASES_TP4 = {
-    "tp4_sp_dp": dict(tp=4, sp=True, pairer="dp"),
-    "tp4_round_robin": dict(tp=4, pairer="round_robin"),
-    "tp4_sp_dp_seam": dict(tp=4, sp=True, pairer="dp", seam=True),
+    "tp4_sp_dp": ParityCase(TP4 + SP, dhelix("dp")),
+    "tp4_round_robin": ParityCase(TP4, dhelix("round_robin")),
+    "tp4_sp_dp_seam": ParityCase(TP4 + SP, dhelix("dp"), seam=True),
 }
 
 
@@ -62,15 +74,14 @@ def make_plan_file(directory: Path, megatron_args: list) -> Path:
 @pytest.fixture(scope="module")
 def plan_file_tp2(tmp_path_factory):
     return make_plan_file(tmp_path_factory.mktemp("plan") / "dags",
-                          ["--preset", "tiny", "--tensor-model-parallel-size", "2",
-                           "--optimizer", "sgd"])
+                          [*TINY, *TP2, "--optimizer", "sgd", "--train-iters", "1"])
 
 
-def _launch(world, cases):
-    report = run_on_ranks(dhelix_parity, world, cases, timeout_s=480,
+def _launch(world, cases, refusals=None):
+    report = run_on_ranks(pp1_parity, world, cases, refusals=refusals, timeout_s=480,
                           env={"OMP_NUM_THREADS": "1"})[0]
     for name, entry in report.items():
-        for i, row in enumerate(entry["rows"]):
+        for i, row in enumerate(entry.get("rows", ())):
             print(f"{name} ({entry['blocks']} blocks, m={entry['num_microbatches']}) step {i}: "
                   f"loss diff {row['loss_diff']:.2e} grad diff {row['grad_diff']:.2e} "
                   f"param diff {row['param_diff']:.2e}")
@@ -79,10 +90,13 @@ def _launch(world, cases):
 
 @pytest.fixture(scope="module")
 def tp2(plan_file_tp2):
+    """The TP=2 matrix, the same run from a plan file (`--dhelix-plan`), and that plan
+    given to a TP=2 + SP run (refused), in one launch."""
     cases = dict(CASES_TP2)
-    cases["tp2_plan_file"] = dict(tp=2, pairer="dp",
-                                  dhelix_extra=("--dhelix-plan", str(plan_file_tp2)))
-    return _launch(2, cases)
+    cases["tp2_plan_file"] = ParityCase(TP2, dhelix("dp", "--dhelix-plan", str(plan_file_tp2)))
+    refusals = {"tp2_sp_with_the_tp2_plan":
+                [*TP2, *SP, *dhelix("dp", "--dhelix-plan", str(plan_file_tp2))]}
+    return _launch(2, cases, refusals)
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +143,14 @@ def test_dhelix_matches_megatron_tp2(tp2, name):
 @pytest.mark.slow
 def test_layer_pairs_meet_at_seams_only_where_the_plan_has_one(tp2, tp4):
     """The parity rows above include plans whose layer pairs overlap at a seam (TP=2,
-    TP=2+SP with Llama layers, TP=4+SP); the tiny preset's own plans have none."""
-    seamed = {name for name, entry in {**tp2, **tp4}.items() if entry["seam"]}
+    TP=2+SP with Llama layers, TP=4+SP); the tiny model's own plans have none."""
+    trained = {name: entry for name, entry in {**tp2, **tp4}.items() if "rows" in entry}
+    assert set(trained) == {*CASES_TP2, *CASES_TP4, "tp2_plan_file"}
+    seamed = {name for name, entry in trained.items() if entry["seam"]}
     assert seamed == {"tp2_dp_seam", "tp2_sp_llama_dp_seam", "tp4_sp_dp_seam"}
     for name in seamed:  # the log line says so
         assert "layer pairs overlap at a seam (the first 1 and last 2 blocks)" in \
-            {**tp2, **tp4}[name]["describe"]
+            trained[name]["describe"]
 
 
 @pytest.mark.slow
@@ -143,36 +159,27 @@ def test_plan_file_is_used(tp2, plan_file_tp2):
 
 
 @pytest.mark.slow
-def test_plan_for_another_layout_is_rejected(plan_file_tp2):
-    """A plan made for TP=2 without SP, checked against a TP=2 SP run: the error names the
-    differing fingerprint fields and the command that regenerates the plan."""
-    from dhelix.arguments import parse_args, trainer_run
-    from dhelix.ops.describe import LayerDescription
-    from dhelix.ops.layer_program import build_layer_programs
-    from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
-    from dhelix.topology import NodeTopology
-    from planner.plan import PlanMismatch, load_checked_plan
-
-    args = parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2",
-                       "--sequence-parallel"], world_size=2)
-    dags = build_layer_programs(
-        LayerDescription.from_args(args, topology=NodeTopology.detect(None), rank=0)).dags()
-    run = trainer_run(args)
-    expected = {"model": model_fingerprint(run), "parallel": parallel_fingerprint(run)}
-    with pytest.raises(PlanMismatch) as info:
-        load_checked_plan(plan_file_tp2, expected, dags["fwd"], dags["bwd"])
-    text = str(info.value)
-    assert "parallel: plan has 'tp2-pp1-nosp', this run has 'tp2-pp1-sp'" in text
-    assert "dhelix plan" in text
+def test_plan_for_another_layout_is_rejected(tp2):
+    """A plan made for TP=2 without SP, given to a TP=2 SP run: the plugin refuses it (exit
+    code 2) with one error line that names the differing fingerprint fields and the command
+    that regenerates the plan."""
+    refused = tp2["tp2_sp_with_the_tp2_plan"]
+    assert refused["code"] == 2, refused
+    errors = [line for line in refused["stderr"] if line.startswith("error: ")]
+    assert len(errors) == 1, refused["stderr"][-20:]
+    assert "parallel: plan has 'tp2-pp1-nosp', this run has 'tp2-pp1-sp'" in errors[0]
+    assert "dhelix plan" in errors[0]
 
 
 def _train_one_rank(cwd: Path, megatron_args: list) -> subprocess.CompletedProcess:
-    """scripts/dhelix_trainer.py as torchrun starts a world of one rank."""
+    """`python -m dhelix.megatron_lm scripts/pretrain_gpt.py ARGS` as torchrun starts a
+    world of one rank."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "dhelix_trainer.py"
-    return subprocess.run([sys.executable, str(script), *megatron_args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    env.pop("DHELIX_ERROR_FILE", None)  # the error line goes to stderr
+    return subprocess.run([sys.executable, "-m", "dhelix.megatron_lm", SCRIPT, *megatron_args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.slow
@@ -180,9 +187,8 @@ def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
     """Plan for model A (hidden 128), train model B (hidden 256) with it: refused, with a
     `dhelix plan` command. Run that command literally, then the same training command: the
     new plan is accepted and used (the advice must not reuse A's operator DAGs)."""
-    model_a = ["--preset", "tiny"]
-    plan = make_plan_file(tmp_path / "dags_a", model_a)
-    train_b = [*model_a, "--hidden-size", "256", "--train-iters", "1", "--dhelix",
+    plan = make_plan_file(tmp_path / "dags_a", [*TINY, "--train-iters", "1"])
+    train_b = [*TINY, "--hidden-size", "256", "--train-iters", "1", "--dhelix",
                "--dhelix-plan", str(plan)]
     refused = _train_one_rank(tmp_path, train_b)
     assert refused.returncode == 2, refused.stderr[-3000:]
@@ -196,7 +202,7 @@ def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
                    capture_output=True, timeout=120)
     accepted = _train_one_rank(tmp_path, train_b)
     assert accepted.returncode == 0, accepted.stderr[-3000:]
-    assert f"dhelix: plan file {plan}" in accepted.stdout
+    assert f"dhelix: SI schedule, plan file {plan}" in accepted.stdout
 
 
 @pytest.mark.slow
@@ -210,20 +216,3 @@ def test_plans_differ_between_pairers(tp2):
     """The pairers really produced different plans (so parity covers several)."""
     blocks = {tp2[n]["blocks"] for n in ("tp2_sequential", "tp2_round_robin", "tp2_dp")}
     assert len(blocks) == 3
-
-
-def test_domino_needs_an_even_micro_batch():
-    from dhelix.arguments import parse_args
-    from dhelix.options import OptionError
-
-    with pytest.raises(OptionError, match="--micro-batch-size must be even"):
-        parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2", "--dhelix",
-                    "--dhelix-pairer", "domino", "--micro-batch-size", "3",
-                    "--global-batch-size", "6"], world_size=2)
-
-
-def test_commfree_bound_needs_dhelix():
-    from dhelix.arguments import ArgumentError, parse_args
-
-    with pytest.raises(ArgumentError, match="needs --dhelix"):
-        parse_args(["--preset", "tiny", "--dhelix-commfree-timing-only"], world_size=1)

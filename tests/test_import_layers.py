@@ -41,13 +41,13 @@ LAYERS = (
           "of the engine", ((
               "dhelix.file_formats", "dhelix.dag", "dhelix.topology", "dhelix.run_fingerprint",
               "dhelix.argument_error", "dhelix.dhelix_arguments", "dhelix.presets",
-              "dhelix.input_checks", "dhelix.arguments", "dhelix.folding", "dhelix.rank_errors",
-              "dhelix.divergence", "dhelix.memory", "dhelix.cluster", "dhelix.devices", "dhelix.options",
+              "dhelix.folding", "dhelix.rank_errors",
+              "dhelix.divergence", "dhelix.cluster", "dhelix.devices", "dhelix.options",
               "dhelix.c10d_ops",
               "profiler.profile_file", "profiler.fingerprint", "planner.plan"),)),
     Layer("engine: megatron-core adapters and shims, process groups, checkpoints, data", ((
         "megatron_patches", "dhelix.parallel", "dhelix.harness", "dhelix.stall",
-        "dhelix.checkpoint_integrity", "dhelix.checkpointing", "dhelix.data", "dhelix.memtrace",
+        "dhelix.checkpoint_integrity", "dhelix.memtrace",
         "dhelix.parity", "dhelix.megatron_lm_checks"),)),
     Layer("execution: operator programs, schedules as data and their executor, lanes, the "
           "strand executor, the timeline (nothing of planning or profiling)", ((
@@ -57,11 +57,12 @@ LAYERS = (
               "dhelix.runtime.operator_passes", "dhelix.runtime.intra_batch_passes",
               "dhelix.gpu_emulation"),)),
     Layer("profile | plan", (("profiler",), ("planner",))),
-    Layer("run: the DHelix schedules built from a plan, the trainer", ((
-        "dhelix.runtime", "dhelix.training"),)),
+    Layer("run: the DHelix schedules built from a plan", ((
+        "dhelix.runtime",),)),
     Layer("entry points: the Megatron-LM plugin's hooks and its step harness, CLIs, benchmarks, "
           "scripts", ((
-        "megatron_patches.training_hooks", "megatron_patches.step_harness", "dhelix.megatron_lm",
+        "megatron_patches.training_hooks", "megatron_patches.step_harness",
+        "megatron_patches.parsed_arguments", "dhelix.ops.cli", "profiler.cli", "dhelix.megatron_lm",
         "dhelix.cli", "dhelix.launch",
         "dhelix.env_report", "dhelix.__main__", "dhelix.bench", "scripts"),)),
 )

@@ -1,15 +1,18 @@
-"""Megatron's own schedule on CPU/gloo: TP2xPP2 (SP off/on) and TP2xDP2 with the distributed
-optimizer train like TP1xPP1 from the same weights and data, checkpoints resume exactly and
-reshard across layouts, and the sequence-parallel LayerNorm trap is caught.
+"""Megatron's own schedule on CPU/gloo, every run `scripts/pretrain_gpt.py` set up by
+`megatron.training.pretrain` (step harness): TP2xPP2 (SP off/on) and TP2xDP2 with the
+distributed optimizer train like TP1xPP1 (DP4) from the same weights (a Megatron checkpoint
+loaded with `--finetune`) and data, Megatron's checkpoints (`--load`, torch_dist) resume
+exactly in the same layout and reshard into another, and the sequence-parallel LayerNorm
+trap is caught.
 
-One 4-rank launch runs every check (imports cost ~4 s per process). Max abs differences
-are printed (run with -s to see them).
+The 4-rank launch of tests/plugin_pipeline_ranks.py (`four_rank_report`, shared with the
+folded and pipeline matrices) runs every check. Max abs differences are printed (run with
+-s to see them).
 """
 
 import pytest
 
-from dhelix.harness import run_on_ranks
-from tests.foundation_ranks import layout_parity_and_resume
+from tests.plugin_pipeline_ranks import SGD, four_rank_report
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
@@ -21,17 +24,17 @@ FP32_PARAM = 5e-7    # max |param diff| after SGD (lr 0.05) steps
 ADAM_PARAM = 2e-5
 
 GROUPS = {
-    "sgd": {"extra_args": ["--optimizer", "sgd", "--lr", "0.05"], "try_optimizer_load": True,
+    "sgd": {"extra_args": SGD, "try_optimizer_load": True,
             "layouts": {
                 "tp2pp2": dict(tp=2, pp=2),
                 "tp2pp2_sp": dict(tp=2, pp=2, sp=True),
                 "tp2pp2_sp_untagged_norms": dict(tp=2, pp=2, sp=True, untag_sp_norms=True),
             }},
-    "adam": {"layouts": {
+    "adam": {"extra_args": ["--optimizer", "adam"], "layouts": {
         "resume_tp1pp1": dict(tp=1, pp=1, resume=True),
         "resume_into_tp2pp2": dict(tp=2, pp=2, resume=True),
     }},
-    "adam_distopt": {"distopt": True, "layouts": {
+    "adam_distopt": {"extra_args": ["--optimizer", "adam"], "distopt": True, "layouts": {
         "tp2dp2_distopt": dict(tp=2, pp=1, distopt=True),
         "resume_tp1pp1_distopt": dict(tp=1, pp=1, distopt=True, resume=True),
     }},
@@ -39,13 +42,11 @@ GROUPS = {
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("ckpt")
-    results = run_on_ranks(layout_parity_and_resume, 4, str(workdir), GROUPS,
-                           timeout_s=480, env={"OMP_NUM_THREADS": "1"})
-    rows = results[0]
+def report():
+    rows = four_rank_report()["layout"]
     for name, steps in rows.items():
         if name.endswith("_optimizer_load"):
+            print(f"{name}: {steps}")
             continue
         for i, row in enumerate(steps):
             print(f"{name} step {i}: loss diff {row['loss_diff']:.2e}, "
@@ -93,8 +94,10 @@ def test_resume_into_other_layout(report):
 
 def test_sgd_optimizer_state_load_is_refused_in_one_line(report):
     """megatron-core (0.19.2 as 0.16.1) builds SGD without a state initialiser and fails
-    inside `sharded_state_dict(is_loading=True)` (TypeError); dhelix refuses first and names
-    the way out. Should a release load it, the load must simply succeed."""
+    inside `sharded_state_dict(is_loading=True)` (TypeError); the plugin refuses Megatron's
+    `--load` with optimizer state first and names the way out
+    (`megatron_patches.optimizer_state.optimizer_load_refusal`). Should a release load it,
+    the load must simply succeed."""
     outcome = report["sgd_optimizer_load"]
     if outcome != "loaded":
         assert outcome.startswith("--load ") and "cannot load --optimizer sgd state" in outcome

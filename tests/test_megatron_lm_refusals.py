@@ -34,6 +34,9 @@ REFUSED_ONCE_VALIDATED = {
     "dropout": (["--hidden-dropout", "0.1"], "--hidden-dropout 0"),  # the last value wins
     "layers that do not fold": (PP2 + ["--num-layers", "6"], "multiple of 2 x 2 = 4"),
     "domino with PP": (PP2 + ["--dhelix-pairer", "domino"], "--pipeline-model-parallel-size 1"),
+    "domino with an odd micro-batch": (["--dhelix-pairer", "domino", "--micro-batch-size", "3",
+                                        "--global-batch-size", "6"],
+                                       "--micro-batch-size must be even (got 3)"),
 }
 
 
@@ -95,6 +98,17 @@ def test_dhelix_rules_checked_on_the_validated_run(name, monkeypatch):
     assert not dist.is_initialized()
     assert _parse(argv, validate=True)[0] is None  # without --dhelix Megatron takes it
     assert current_run().options.enabled is False
+
+
+def test_commfree_bound_needs_dhelix(monkeypatch):
+    """The benchmark's communication-free bound (wrong numerics) is never a stock run."""
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix-commfree-timing-only"],
+                       validate=True)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines == ["error: --dhelix-commfree-timing-only needs --dhelix"], err
 
 
 def test_validated_run_is_typed(monkeypatch):

@@ -1,20 +1,25 @@
-"""The DHelix runtime on CUDA (NCCL, the compute stream plus NCCL's communication
-streams): parity with Megatron's schedule on one GPU, and with TP=2 when two GPUs exist.
-Skipped without CUDA (CI has none)."""
+"""The DHelix runtime on CUDA (the compute stream plus the lanes' communication streams):
+parity with Megatron's schedule on one GPU, and with TP=2 when two GPUs exist. Every run is
+`scripts/pretrain_gpt.py` set up by `megatron.training.pretrain` under the plugin
+(`tests/plugin_parity_ranks.py`). Skipped without CUDA (CI has none)."""
 
 import pytest
 import torch
 
 from dhelix.harness import run_on_ranks
-from tests.foundation_ranks import dhelix_parity
+from tests.megatron_lm_ranks import parity_env
+from tests.plugin_parity_ranks import ParityCase, pp1_parity
 
 pytestmark = pytest.mark.gpu
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DHELIX_DP = ("--dhelix", "--dhelix-pairer", "dp")
 
 
 def _check(report):
+    assert report
     for entry in report.values():
+        assert len(entry["rows"]) == 2
         for row in entry["rows"]:
             # GPU GEMMs may reorder reductions between the two paths: fp32 tolerance.
             assert row["loss_diff"] < 1e-5, row
@@ -24,13 +29,14 @@ def _check(report):
 @pytest.mark.slow
 @needs_cuda
 def test_dhelix_parity_one_gpu():
-    _check(run_on_ranks(dhelix_parity, 1, {"tp1_dp": dict(tp=1, pairer="dp")},
-                        timeout_s=600)[0])
+    _check(run_on_ranks(pp1_parity, 1, {"tp1_dp": ParityCase((), DHELIX_DP)},
+                        timeout_s=600, env=parity_env("cuda"))[0])
 
 
 @pytest.mark.slow
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_dhelix_parity_tp2_lanes_on_nccl():
-    _check(run_on_ranks(dhelix_parity, 2, {"tp2_sp_dp": dict(tp=2, sp=True, pairer="dp")},
-                        timeout_s=600)[0])
+    case = ParityCase(("--tensor-model-parallel-size", "2", "--sequence-parallel"), DHELIX_DP)
+    _check(run_on_ranks(pp1_parity, 2, {"tp2_sp_dp": case}, timeout_s=600,
+                        env=parity_env("cuda"))[0])

@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 from dataclasses import dataclass, field
 
-from dhelix.launch import PRETRAIN_SCRIPT
 # What every benchmark run adds before its model's Megatron arguments (so a model argument
 # wins): Megatron's mock data with the null tokenizer, megatron-core's local layer spec, no
 # dropout (`--dhelix` needs it), no evaluation, data loading in the rank's own process.
@@ -70,32 +68,23 @@ class ArgumentsRefused(ValueError):
 
 def parse_megatron_args(argv: list, world_size: int):
     """Megatron's arguments for `argv` as each of `world_size` ranks gets them from
-    `scripts/pretrain_gpt.py` under the plugin: Megatron's parser with the plugin's hooks
-    (the `--dhelix` options and refusals), then Megatron's `validate_args` (derived sizes,
-    and the plugin's `--dhelix` rules, `dhelix.options.check_run`). In this process, no
-    process group; what they print is swallowed. Raises `ArgumentsRefused` with the refusal.
+    `scripts/pretrain_gpt.py` under the plugin (`megatron_patches.parsed_arguments`:
+    Megatron's parser with the plugin's hooks, then Megatron's `validate_args` with the
+    plugin's `--dhelix` rules). In this process, no process group; what they print is
+    swallowed. Raises `ArgumentsRefused` with the refusal (the row's "n/a" reason).
     `padded_vocab_size` is not set (the tokenizer sets it when a run starts)."""
-    from megatron.training import arguments
+    from megatron_patches.parsed_arguments import MegatronArgumentError
+    from megatron_patches.parsed_arguments import parse_megatron_args as parse
 
-    from dhelix.megatron_lm import install_plugin
-
-    install_plugin()
-    saved_argv = sys.argv
-    sys.argv = [str(PRETRAIN_SCRIPT), *argv]
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(printed):
-            args = arguments.parse_args()
-            args.world_size, args.rank = world_size, 0
-            arguments.validate_args(args, {})
+        with contextlib.redirect_stderr(printed):
+            return parse(list(argv), world_size)
     except SystemExit:
         lines = [line for line in printed.getvalue().splitlines() if line.startswith("error: ")]
         raise ArgumentsRefused(lines[-1][len("error: "):] if lines else printed.getvalue())
-    except (AssertionError, ValueError, TypeError) as exc:  # Megatron's validate_args
-        raise ArgumentsRefused(" ".join(str(exc).split()) or type(exc).__name__) from None
-    finally:
-        sys.argv = saved_argv
-    return args
+    except MegatronArgumentError as exc:
+        raise ArgumentsRefused(str(exc)) from None
 
 
 @dataclass(frozen=True)

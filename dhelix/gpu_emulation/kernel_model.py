@@ -17,8 +17,9 @@ at one layer shape. From its solo entries this module fits, per kernel class:
 - attention: FLOPs per ms of the profile's own attention entries ("unfused" fwd / bwd) and a
   stated rate for a fused SDPA kernel (`sdpa_tflops`, default the H100 measurement in
   DESIGN.md: 1.26 ms fwd+bwd at s=4096, 32 heads, d=128, causal = 382 TFLOP/s). The
-  profile's attention is Megatron's unfused core attention with an fp32 softmax (the
-  profiler's layer keeps TransformerConfig's default `attention_softmax_in_fp32=True`).
+  profile's attention is taken as Megatron's unfused core attention with an fp32 softmax
+  (the H100 profile's: the profiler's former layer set-up kept TransformerConfig's default
+  `attention_softmax_in_fp32=True`; the profile file does not record it).
   With `core_attention` (a `CoreAttentionTrace`: the core attention's batched-GEMM time and
   memory-bound bytes at the profile's shape, fp32 and bf16 softmax) the model also has
   "unfused.bf16-softmax": the profile's region time split as GEMMs + bytes / B, B the

@@ -23,7 +23,7 @@ TE_UNSUPPORTED = (
     "the Transformer Engine layer spec is not supported by dhelix operator programs yet "
     "(its fused LayerNorm+linear and TE attention hide the GEMM/communication boundaries the "
     "programs need); build the model with megatron-core's local spec "
-    "(megatron_patches.model_provider.layer_spec without Transformer Engine installed)"
+    "(--transformer-impl local)"
 )
 
 

@@ -1,12 +1,16 @@
 """`dhelix ops`: the operator table of one transformer layer for a model/parallel config.
 
-    dhelix ops --preset tiny --tensor-model-parallel-size 4 --sequence-parallel
-               --ranks-per-node 2 [--rank 0] [--direction fwd|bwd|both] [--json]
+    dhelix ops [--preset NAME|FILE] <Megatron arguments> [--ranks-per-node N]
+               [--world-size W] [--rank 0] [--direction fwd|bwd|both] [--json]
                [--export-dag DIR]
+    e.g. dhelix ops --preset tiny --hidden-dropout 0 --attention-dropout 0
+               --tensor-model-parallel-size 4 --sequence-parallel --ranks-per-node 2
 
-Model and parallel arguments are Megatron's, as for pretraining (all of them are
-accepted). Nothing is launched: the programs come from the layer description alone,
-exactly as the runtime builds them.
+Model and parallel arguments are Megatron's, parsed and validated by Megatron-LM's parser
+with the plugin's `--dhelix*` options (`megatron_patches.parsed_arguments`), as for
+pretraining under the plugin; `--preset` expands to Megatron arguments as for `dhelix train`.
+Nothing is launched: the programs come from the layer description of the TransformerConfig
+`pretrain()` would build, exactly as the runtime builds them.
 `--export-dag DIR` writes DIR/fwd.json and DIR/bwd.json in the shared `dhelix-dag` format.
 """
 
@@ -25,11 +29,15 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=True,
     )
+    parser.add_argument("--preset", default=None,
+                        help="model preset expanded to Megatron arguments: a name in configs/ "
+                             "(e.g. tiny) or a JSON file path (as for `dhelix train`)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="node size for the intra/inter channel decision (default: "
                         "$DHELIX_RANKS_PER_NODE, else $LOCAL_WORLD_SIZE, else one node)")
     parser.add_argument("--world-size", type=int, default=None,
-                        help="world size to validate the arguments against (default: TP x PP)")
+                        help="world size to validate the arguments against (default: TP x PP x "
+                        "CP)")
     parser.add_argument("--rank", type=int, default=0,
                         help="the rank whose tensor-parallel group is shown (default 0)")
     parser.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
@@ -39,13 +47,15 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run, pass_through=True)
 
 
-def _model_args(rest: list, world_size):
-    from dhelix.arguments import build_parser, parse_args
+def _model_args(args):
+    """Megatron's validated arguments for the command line (the preset expanded first)."""
+    from dhelix.launch import preset_arguments
+    from megatron_patches.parsed_arguments import parse_megatron_args
 
-    raw, _ = build_parser().parse_known_args(rest)
-    # Outside torchrun there is no $WORLD_SIZE: describe the smallest world the layout fits.
-    world = world_size or raw.tensor_model_parallel_size * raw.pipeline_model_parallel_size
-    return parse_args(rest, world_size=world)
+    rest = list(args.extra_args)
+    if args.preset:
+        rest = preset_arguments(args.preset, rest) + rest
+    return parse_megatron_args(rest, args.world_size)
 
 
 def format_table(program) -> str:
@@ -85,19 +95,20 @@ def run(args) -> int:
 
     # megatron-core warns at import about optional GPU packages; irrelevant to a table.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from dhelix.arguments import ArgumentError
+    from dhelix.argument_error import ArgumentError
     from dhelix.ops.describe import LayerDescription, UnsupportedLayerError
     from dhelix.ops.layer_program import build_layer_programs
     from dhelix.topology import NodeTopology
 
-    rest = list(args.extra_args)
     try:
-        model_args = _model_args(rest, args.world_size)
+        model_args = _model_args(args)
         topology = NodeTopology.detect(args.ranks_per_node)
         desc = LayerDescription.from_args(model_args, topology=topology, rank=args.rank)
         programs = build_layer_programs(desc)
+    except SystemExit as exc:  # Megatron's or the plugin's `error:` line is printed
+        return exc.code if isinstance(exc.code, int) else 2
     except (ArgumentError, UnsupportedLayerError, ValueError) as exc:
-        print(f"dhelix ops: {exc}", file=sys.stderr)
+        print(f"dhelix ops: error: {exc}", file=sys.stderr)
         return 2
     directions = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
     if args.export_dag:
@@ -115,10 +126,10 @@ def run(args) -> int:
         print(format_table(program))
     print("\n" + saved_summary(programs))
     if args.export_dag:
-        from dhelix.arguments import trainer_run
         from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
+        from megatron_patches.run_options import run_from_megatron_args
 
-        run = trainer_run(model_args)
+        run = run_from_megatron_args(model_args)  # as --dhelix start-up computes them
         out = Path(args.export_dag)
         print(f"wrote {out / 'fwd.json'} and {out / 'bwd.json'}; plan this run with:")
         print("  " + shlex.join([

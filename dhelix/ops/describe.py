@@ -219,16 +219,18 @@ class LayerDescription:
     @classmethod
     def from_args(cls, args, topology: Optional[NodeTopology] = None,
                   rank: int = 0) -> "LayerDescription":
-        """Description from `dhelix.arguments` (Megatron names); builds the same
-        TransformerConfig the trainer builds, so both agree on every derived size."""
-        from megatron_patches.model_provider import transformer_config_from_args
+        """Description from Megatron's validated arguments
+        (`megatron_patches.parsed_arguments.parse_megatron_args`, or `get_args()` in a
+        run): the TransformerConfig `pretrain()` builds from them
+        (`core_transformer_config_from_args`), so both agree on every
+        derived size; the core attention `--dhelix-attention` selects."""
+        from megatron.training.argument_utils import core_transformer_config_from_args
 
-        config = transformer_config_from_args(args)
         return cls.from_config(
-            config, args.seq_length, args.micro_batch_size,
+            core_transformer_config_from_args(args), args.seq_length, args.micro_batch_size,
             rope=args.position_embedding_type == "rope",
             tp_ranks=tensor_parallel_ranks(args.tensor_model_parallel_size, rank),
-            topology=topology, attention=getattr(args, "dhelix_attention", "megatron"),
+            topology=topology, attention=args.dhelix_attention,
         )
 
 

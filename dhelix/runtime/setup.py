@@ -230,10 +230,9 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     parts = GPTParts(model_chunks[0], whole_model=not pipelined)
     if pipelined and not isinstance(parts.model, FoldedGPTModel):
         raise DHelixSetupError(
-            "--dhelix with --pipeline-model-parallel-size > 1 needs the folded model: build "
-            "it with dhelix.training.Trainer.build(args, job) (which picks "
-            "megatron_patches.folded_model.build_folded_model_chunks for --dhelix) after "
-            "init_megatron_parallel_state(..., folded=True)")
+            "--dhelix with --pipeline-model-parallel-size > 1 needs the folded model: run "
+            "the pretrain script under the plugin (python -m dhelix.megatron_lm SCRIPT ... "
+            "--dhelix), whose hooks build megatron_patches.folded_model.FoldedGPTModel")
     domino = options.domino
     layer_batch = parallel.micro_batch_size // 2 if domino else parallel.micro_batch_size
     bound = [BoundLayer(layer, run.model.seq_length, layer_batch, rope=run.model.rope)

@@ -18,8 +18,7 @@ forward under `torch.no_grad()`.
 Batches: the script's `forward_step_func(data_iterator, model)` is called once per
 micro-batch, in micro-batch order, on every stage, as Megatron's schedules call it; what it
 hands the model (tokens, positions, labels) and its loss function are captured
-(`dhelix.runtime.forward_step_capture`; Megatron-LM's pretrain_gpt and
-`dhelix.training.forward_step` both fit). For the folded model with `data_args` (Megatron's
+(`dhelix.runtime.forward_step_capture`; Megatron-LM's pretrain_gpt fits). For the folded model with `data_args` (Megatron's
 args) it runs under `folded_data_view` (stage 0 embeds and computes the loss). The loss goes
 through Megatron's `forward_step_calc_loss` (the script's loss function, token-count
 normalisation, division by the number of micro-batches, the loss dicts Megatron's training
@@ -143,7 +142,7 @@ class ScheduleEngine:
     """Megatron's forward_backward_func over `build_schedule(pp, num_microbatches)`
     (module docstring). `passes`: the training pass engine (default `AutogradPasses` over
     the chunk module). `data_args`: Megatron's args, for the folded model's data view (None:
-    the forward step reads no pipeline arguments, e.g. `dhelix.training.forward_step`).
+    the forward step reads no pipeline arguments).
     `losses_to_last_stage`: return the folded model's loss dicts on the last pipeline stage,
     as Megatron's training loop expects (else on the stage that computes them).
     `last_step` is what the last call ran (`ExecutedStep`)."""
@@ -259,11 +258,3 @@ def _pipeline_shape(config, seq_length, micro_batch_size) -> tuple:
     if config.sequence_parallel:
         seq //= parallel_state.get_tensor_model_parallel_world_size()
     return (seq, micro_batch_size, config.hidden_size)
-
-
-def make_forward_backward_func(build_schedule: Callable[[int, int], Schedule],
-                               passes=None) -> Callable:
-    """`ScheduleEngine(build_schedule, passes).forward_backward`: a function with Megatron's
-    `forward_backward_func` signature (what `dhelix.training.Trainer.forward_backward_func`
-    holds)."""
-    return ScheduleEngine(build_schedule, passes).forward_backward

@@ -1,8 +1,11 @@
-"""The folded model against stock Megatron on real gloo ranks (one 4-rank launch):
+"""The folded model against stock Megatron on real gloo ranks, every run
+`scripts/pretrain_gpt.py` set up by `megatron.training.pretrain` (step harness; the folded
+model is `--dhelix` with PP > 1), in the 4-rank launch of tests/plugin_pipeline_ranks.py
+(`four_rank_report`, shared with the layout and pipeline matrices):
 
-- a checkpoint saved by stock Megatron loads into the folded model with identical weights,
-  and one saved by the folded model (after an SGD step) loads back into stock Megatron with
-  another TP x PP;
+- a Megatron checkpoint saved by stock Megatron loads (`--load`, `--finetune`) into the
+  folded model with identical weights, and one saved by the folded model (after an SGD
+  step) loads back into stock Megatron with another TP x PP;
 - the folded model run with the sequential folded schedule and with the W-shaped schedule
   (SI blocks executed forward-then-backward) gives Megatron 1F1B's loss and every gradient
   (compared by checkpoint key) to fp32 rounding;
@@ -16,12 +19,10 @@ measured differences.
 
 import pytest
 
-from dhelix.harness import run_on_ranks
-from tests.folding.rank_checks import folded_parity
+from tests.plugin_pipeline_ranks import SGD, four_rank_report
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
-SGD = ["--optimizer", "sgd", "--lr", "0.05"]
 CASES = {
     "tp2pp2_sp_m4": dict(tp=2, pp=2, sp=True, back=(1, 1),
                          extra=["--num-layers", "8", *SGD]),
@@ -38,10 +39,8 @@ FP32_GRAD = 5e-8   # max |grad diff|; tied-embedding sums are added in another o
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("folded")
-    rows = run_on_ranks(folded_parity, 4, str(workdir), CASES, timeout_s=420,
-                        env={"OMP_NUM_THREADS": "1"})[0]
+def report():
+    rows = four_rank_report()["folded"]
     for name, row in rows.items():
         print(f"{name} (p={row['pp']}, m={row['microbatches']}): loss {row['loss_ref']:.6f}; "
               f"sequential loss/grad diff {row['sequential_loss_diff']:.1e}/"

@@ -146,16 +146,3 @@ def test_w_schedule_with_one_stage_is_not_the_si_schedule():
     """(The W schedule is for the folded model: two chunks even with p=1.)"""
     assert build_w_schedule(1, 3).path.chunks_per_stage == 2
     assert build_si_schedule(1, 3).path.chunks_per_stage == 1
-
-
-def test_runtime_setup_does_not_import_the_training_loop():
-    """The engine `dhelix.runtime.setup` builds is reached without `dhelix.training` (the
-    former runtime.setup -> schedules.runner -> training -> runtime.setup circle)."""
-    import subprocess
-    import sys
-
-    code = ("import sys, dhelix.runtime.setup, dhelix.schedules.runner; "
-            "sys.exit('dhelix.training' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]

@@ -14,11 +14,12 @@ import random
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.training.argument_utils import core_transformer_config_from_args
 
-from dhelix.arguments import parse_args
 from dhelix.memtrace import measure_peak
 from dhelix.ops.runner import LayerStack
-from megatron_patches.model_provider import layer_spec, transformer_config_from_args
+from megatron_patches.parsed_arguments import parse_megatron_args
+from tests.megatron_lm_ranks import TINY
 
 SEQ, BATCH, HIDDEN, HEADS, FFN = 16, 2, 64, 8, 128
 
@@ -45,15 +46,16 @@ def variant_name(variant) -> str:
 
 
 def variant_args(variant, tp: int, sp: bool, num_layers: int = 2, preset: bool = False):
-    """dhelix/Megatron arguments for one layer variant."""
+    """Megatron's validated arguments (Megatron-LM's parser under the plugin, world = TP)
+    for one layer variant: the tiny model's sizes (tests.megatron_lm_ranks.TINY) with
+    `preset`, else the small ones above."""
     norm, pos, attn, mlp, bias = variant
-    argv = ["--tensor-model-parallel-size", str(tp), "--train-iters", "1"]
-    if preset:
-        argv += ["--preset", "tiny"]
-    else:
+    argv = [*TINY, "--tensor-model-parallel-size", str(tp), "--train-iters", "1"]
+    if not preset:
         argv += ["--num-layers", str(num_layers), "--hidden-size", str(HIDDEN),
                  "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
-                 "--ffn-hidden-size", str(FFN), "--micro-batch-size", str(BATCH)]
+                 "--max-position-embeddings", str(SEQ), "--ffn-hidden-size", str(FFN),
+                 "--micro-batch-size", str(BATCH)]
     argv += ["--normalization", norm, "--position-embedding-type", pos]
     if attn == "gqa":
         argv += ["--group-query-attention", "--num-query-groups", "4"]
@@ -63,18 +65,21 @@ def variant_args(variant, tp: int, sp: bool, num_layers: int = 2, preset: bool =
         argv.append("--disable-bias-linear")
     if sp:
         argv.append("--sequence-parallel")
-    return parse_args(argv)
+    return parse_megatron_args(argv, world_size=tp)
 
 
 def build_layers(args, perturb_seed: int = 7):
-    """A stack of local-spec TransformerLayers as Megatron builds them; 1-D parameters
-    (biases, norm weights - zero/one at init) are perturbed identically on every rank so
-    that they matter in the comparison."""
+    """A stack of TransformerLayers as `pretrain()` builds them for `--transformer-impl
+    local` (the TransformerConfig from Megatron's arguments, megatron-core's local spec as
+    Megatron's `default_layer_spec` returns it, with the plugin's SP-safe norms on CPU); 1-D
+    parameters (biases, norm weights - zero/one at init) are perturbed identically on every
+    rank so that they matter in the comparison."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    config = transformer_config_from_args(args)
-    spec = layer_spec(config, args)
+    config = core_transformer_config_from_args(args)
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
     layers = torch.nn.ModuleList(
         [build_module(spec, config=config, layer_number=i + 1) for i in range(args.num_layers)]
     )

@@ -6,10 +6,15 @@ import json
 
 from dhelix.cli import main
 from dhelix.dag import load_dag
+from tests.megatron_lm_ranks import TINY
+
+# the tiny preset, expanded to Megatron arguments as for `dhelix train`; dropout 0 (the
+# operator programs' setting; Megatron's default is 0.1)
+PRESET = ["--preset", "tiny", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def test_ops_table_and_dag_export(tmp_path, capsys):
-    argv = ["ops", "--preset", "tiny", "--tensor-model-parallel-size", "4",
+    argv = ["ops", *PRESET, "--tensor-model-parallel-size", "4",
             "--sequence-parallel", "--ranks-per-node", "2", "--export-dag", str(tmp_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -25,7 +30,8 @@ def test_ops_table_and_dag_export(tmp_path, capsys):
 def test_ops_json_and_channel_of_one_node(capsys, monkeypatch):
     monkeypatch.delenv("DHELIX_RANKS_PER_NODE", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert main(["ops", "--preset", "tiny", "--tensor-model-parallel-size", "2",
+    # Megatron's own arguments, as a pretrain_gpt.py command line gives them
+    assert main(["ops", *TINY, "--tensor-model-parallel-size", "2",
                  "--direction", "bwd", "--json"]) == 0
     dags = json.loads(capsys.readouterr().out)
     assert list(dags) == ["bwd"]
@@ -35,7 +41,11 @@ def test_ops_json_and_channel_of_one_node(capsys, monkeypatch):
 
 
 def test_ops_rejects_unsupported_configs(capsys):
-    assert main(["ops", "--preset", "tiny", "--hidden-dropout", "0.1"]) == 2
+    assert main(["ops", *PRESET, "--hidden-dropout", "0.1"]) == 2
     assert "dropout 0 only" in capsys.readouterr().err
-    assert main(["ops", "--preset", "tiny", "--tensor-model-parallel-size", "3"]) == 2
-    assert "not divisible" in capsys.readouterr().err
+    assert main(["ops", *PRESET, "--tensor-model-parallel-size", "3"]) == 2
+    assert "must be a multiple of tensor_model_parallel_size (3)" in capsys.readouterr().err
+    assert main(["ops", *PRESET, "--no-such-argument"]) == 2  # Megatron's parser, one line
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unrecognized arguments: --no-such-argument")
+    assert "\n" not in err

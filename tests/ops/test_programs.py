@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from megatron.training.argument_utils import core_transformer_config_from_args
 
 from dhelix.dag import check_order, load_dag
 from dhelix.file_formats import FormatError
@@ -13,6 +14,8 @@ from dhelix.ops.describe import LayerDescription, UnsupportedLayerError
 from dhelix.ops.layer_program import build_layer_programs
 from dhelix.ops.registry import get_kernel, kernel_names
 from dhelix.topology import NodeTopology
+from megatron_patches.parsed_arguments import parse_megatron_args
+from tests.megatron_lm_ranks import TINY
 
 SP_FWD = ["ln1", "qkv.ag", "qkv", "attn", "proj", "proj.rs", "bda1", "ln2", "fc1.ag", "fc1",
           "act", "fc2", "fc2.rs", "bda2"]
@@ -171,24 +174,18 @@ def test_unsupported_sizes_raise(overrides, message):
     (["--hidden-dropout", "0.1"], "dropout 0 only"),
     (["--attention-dropout", "0.1"], "dropout 0 only"),
 ])
-def test_unsupported_configs_raise(flags, message, monkeypatch):
-    from dhelix.arguments import parse_args
-
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    args = parse_args(["--preset", "tiny", *flags])
+def test_unsupported_configs_raise(flags, message):
+    args = parse_megatron_args([*TINY, *flags])
     with pytest.raises(UnsupportedLayerError, match=message):
         LayerDescription.from_args(args)
 
 
-def test_config_checks_name_moe_and_context_parallelism(monkeypatch):
+def test_config_checks_name_moe_and_context_parallelism():
     from dataclasses import replace
 
-    from dhelix.arguments import parse_args
     from dhelix.ops.describe import check_supported_config
-    from megatron_patches.model_provider import transformer_config_from_args
 
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    config = transformer_config_from_args(parse_args(["--preset", "tiny"]))
+    config = core_transformer_config_from_args(parse_megatron_args(TINY))
     check_supported_config(config)
     moe = replace(config, num_moe_experts=4, moe_ffn_hidden_size=128)
     with pytest.raises(UnsupportedLayerError, match="MoE"):
@@ -233,16 +230,14 @@ def test_program_validation_refuses_broken_data_flow():
     assert programs.consumers["a"] == {"g", "fb"}
 
 
-def test_sdpa_attention_has_its_own_cost_keys(monkeypatch):
+def test_sdpa_attention_has_its_own_cost_keys():
     """`--dhelix-attention sdpa`: the same operators, the attention region's forward and
     backward (its dgrad; core attention has no weights) under SDPA's own cost keys, so a
     profile never serves one attention's time for the other."""
-    from dhelix.arguments import parse_args
-
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    megatron = LayerDescription.from_args(parse_args(["--preset", "tiny"]))
-    sdpa = LayerDescription.from_args(parse_args(["--preset", "tiny", "--dhelix-attention",
-                                                  "sdpa"]))
+    megatron_args = parse_megatron_args(TINY)
+    sdpa_args = parse_megatron_args([*TINY, "--dhelix-attention", "sdpa"])
+    megatron = LayerDescription.from_args(megatron_args)
+    sdpa = LayerDescription.from_args(sdpa_args)
     assert (megatron.attention, sdpa.attention) == ("megatron", "sdpa")
     assert "sdpa attention" in sdpa.summary()
     a, b = build_layer_programs(megatron), build_layer_programs(sdpa)
@@ -257,10 +252,9 @@ def test_sdpa_attention_has_its_own_cost_keys(monkeypatch):
     with pytest.raises(UnsupportedLayerError, match="core attention"):
         describe(attention="flash")
     # a plan made for one attention is not taken for the other (default: unchanged string)
-    from dhelix.arguments import trainer_run
     from dhelix.run_fingerprint import model_fingerprint
+    from megatron_patches.run_options import run_from_megatron_args
 
-    plain = model_fingerprint(trainer_run(parse_args(["--preset", "tiny"])))
+    plain = model_fingerprint(run_from_megatron_args(megatron_args))
     assert not plain.endswith("-sdpa")
-    sdpa = trainer_run(parse_args(["--preset", "tiny", "--dhelix-attention", "sdpa"]))
-    assert model_fingerprint(sdpa) == plain + "-sdpa"
+    assert model_fingerprint(run_from_megatron_args(sdpa_args)) == plain + "-sdpa"

@@ -13,18 +13,20 @@ import pytest
 from dhelix.file_formats import FormatError
 from profiler.fingerprint import hardware_differences, hardware_fingerprint
 from profiler.profile_file import Profile, load_profile, save_profile
+from tests.megatron_lm_ranks import TINY as MEGATRON_TINY
 
-TINY = ["--preset", "tiny", "--tensor-model-parallel-size", "2"]
+# Megatron's arguments of the tiny model (tests.megatron_lm_ranks.TINY) with TP=2
+TINY = [*MEGATRON_TINY, "--tensor-model-parallel-size", "2"]
 MODEL = "gpt-h128-ffn512-a4-g4-s64-b2-LayerNorm-learned_absolute-gelu-bias-fp32"
 
 
 def _programs(extra=()):
-    from dhelix.arguments import parse_args
     from dhelix.ops.describe import LayerDescription
     from dhelix.ops.layer_program import build_layer_programs
     from dhelix.topology import NodeTopology
+    from megatron_patches.parsed_arguments import parse_megatron_args
 
-    args = parse_args([*TINY, *extra], world_size=2)
+    args = parse_megatron_args([*TINY, *extra], world_size=2)
     return build_layer_programs(LayerDescription.from_args(args, topology=NodeTopology(2)))
 
 
@@ -89,11 +91,17 @@ def test_truncated_real_profile_and_wrong_version(tmp_path):
 
 
 # ----------------------------------------------- foreign fingerprint / configuration
-def _run_args(tmp_path, profile_path, extra=()):
-    from dhelix.arguments import parse_args, trainer_run
+def _plugin_run(argv):
+    """The typed run the plugin builds for Megatron's arguments ARGV (world size 2), as
+    `--dhelix` start-up gets it."""
+    from megatron_patches.parsed_arguments import parse_megatron_args
+    from megatron_patches.run_options import run_from_megatron_args
 
-    return trainer_run(parse_args([*TINY, "--dhelix", "--dhelix-profile", str(profile_path),
-                                   *extra], world_size=2))
+    return run_from_megatron_args(parse_megatron_args(argv, world_size=2))
+
+
+def _run_args(tmp_path, profile_path, extra=()):
+    return _plugin_run([*TINY, "--dhelix", "--dhelix-profile", str(profile_path), *extra])
 
 
 def test_training_refuses_profile_of_other_hardware(tmp_path):
@@ -143,7 +151,6 @@ def test_training_accepts_matching_profile_and_counts_estimates(tmp_path):
 
 
 def test_training_refuses_plan_made_from_foreign_profile(tmp_path):
-    from dhelix.arguments import parse_args, trainer_run
     from dhelix.runtime.setup import _resolve_plan
     from planner.build import make_plan
     from planner.costs import build_cost_model
@@ -154,8 +161,7 @@ def test_training_refuses_plan_made_from_foreign_profile(tmp_path):
     plan = make_plan(dags["fwd"], dags["bwd"], costs, "sequential", model=MODEL,
                      parallel="tp2-pp1-nosp")
     path = save_plan(plan, tmp_path / "plan.json")
-    args = trainer_run(parse_args([*TINY, "--dhelix", "--dhelix-plan", str(path)],
-                                  world_size=2))
+    args = _plugin_run([*TINY, "--dhelix", "--dhelix-plan", str(path)])
     with pytest.raises(PlanMismatch, match=r"plan.json: plan was made from a profile of other "
                        r"hardware.*dhelix profile"):
         _resolve_plan(args, dags["fwd"], dags["bwd"])
@@ -287,3 +293,29 @@ def test_profile_command_errors(tmp_path):
                              timeout=120)
     assert missing.returncode == 2 and "no such file" in missing.stderr
     assert "dhelix profile" in missing.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    # the preset expands as for `dhelix train`: Megatron's dropout default 0.1 stays
+    (["--preset", "tiny"], "dhelix profile: error: dhelix operator programs support dropout 0 "
+                           "only"),
+    ([*TINY, "--dhelix"], "dhelix profile: error: --dhelix: the profiler measures the layer "
+                          "for a --dhelix run, not with one"),
+    ([*TINY, "--no-such-argument"], "error: unrecognized arguments: --no-such-argument"),
+    (["--preset", "no-such-preset"], "dhelix profile: error: --preset: no preset"),
+])
+def test_profile_refuses_bad_megatron_arguments_before_launching(argv, message, tmp_path,
+                                                                  monkeypatch, capsys):
+    """Megatron's parser and validation (under the plugin) and the layer's refusals run
+    before any process group or model exists: one `error:` line, exit code 2, no file."""
+    import torch.distributed as dist
+
+    from profiler.cli import main
+
+    monkeypatch.setenv("RANK", "0")  # rank 0 of torchrun's world of 2 (TINY has TP=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "p.json"
+    assert main([*argv, "-o", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not dist.is_initialized() and not list(tmp_path.iterdir())

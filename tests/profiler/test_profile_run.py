@@ -1,11 +1,13 @@
-"""`dhelix profile` end to end on 2 gloo ranks (one launch): the tiny preset profiled in
-full within the time budget, a valid profile covering every cost key of the run's DAGs with
-finite OEFs; an interrupted job resumed without re-measuring; and `--dhelix` training
-planned from the profile with parity against Megatron. Plus the single-process
-`--comp-only` command line."""
+"""`dhelix profile` end to end on 2 gloo ranks (one launch): the tiny model (Megatron's
+arguments) profiled in full within the time budget, a valid profile covering every cost key
+of the run's DAGs with finite OEFs; an interrupted job resumed without re-measuring; and
+the plugin's `--dhelix --dhelix-profile` run of the same model planned from the profile with
+parity against stock Megatron, and of another model refused. Plus the single-process
+`--comp-only` command line with `--preset tiny`."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -14,32 +16,38 @@ import pytest
 from dhelix.harness import run_on_ranks
 from profiler.heatmap import class_table
 from profiler.profile_file import load_profile
-from tests.profiler.profile_ranks import profile_resume_and_train
+from tests.megatron_lm_ranks import assert_parity
+from tests.profiler.profile_ranks import MEGATRON, profile_resume_and_train
+from tests.test_megatron_lm_parity import TOLERANCES
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
 FULL_BUDGET_S = 180  # issue #6: a full tiny profile on 2 gloo ranks in under 3 minutes
 OPTIONS = ["--warmup", "1", "--repeats", "3"]
 STOP_AFTER = 20
+STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("profile")
     results = run_on_ranks(profile_resume_and_train, 2, str(workdir), OPTIONS, STOP_AFTER,
-                           timeout_s=540, env={"OMP_NUM_THREADS": "1"})
+                           STEPS, timeout_s=540, env={"OMP_NUM_THREADS": "1"})
     print(f"full tiny profile on 2 gloo ranks: {results[0]['full_wall_s']:.1f} s "
           f"({len(results[0]['full_pairs'])} pairs)")
+    print("plugin run planned from it, per step (loss diff, grad diff, param diff): "
+          + ", ".join(f"({r['loss_diff']:.2g}, {r['grad_diff']:.2g}, {r['param_diff']:.2g})"
+                      for r in results[0]["plugin"]["rows"]))
     return workdir, results
 
 
 def _run_dags():
-    from dhelix.arguments import parse_args
     from dhelix.ops.describe import LayerDescription
     from dhelix.ops.layer_program import build_layer_programs
     from dhelix.topology import NodeTopology
+    from megatron_patches.parsed_arguments import parse_megatron_args
 
-    args = parse_args(["--preset", "tiny", "--tensor-model-parallel-size", "2"], world_size=2)
+    args = parse_megatron_args(MEGATRON, world_size=2)
     return build_layer_programs(
         LayerDescription.from_args(args, topology=NodeTopology(2), rank=0)).dags()
 
@@ -79,15 +87,22 @@ def test_interrupted_profile_resumes_without_remeasuring(launch):
     assert all(r["second_pairs"][name] == ms for name, ms in partial.items())
 
 
-def test_plan_from_profile_trains_with_parity(launch):
-    _, results = launch
-    entry = results[0]["parity"]["tp2_from_profile"]
-    assert "costs from profile" in entry["plan_source"], entry["plan_source"]
-    assert "0 of" in entry["plan_source"]  # every co-runnable pair measured
-    assert entry["num_microbatches"] >= 2
-    for row in entry["rows"]:
-        assert row["loss_diff"] < 1e-6, row
-        assert row["grad_diff"] < 2e-7, row
+def test_plugin_plans_from_the_profile_with_parity_and_refuses_another_model(launch):
+    """The fingerprints the profiler records are the ones the plugin's `--dhelix-profile`
+    check computes at training time: the same model is planned from the profile (every
+    co-runnable pair measured) and trains as stock Megatron does; another model is refused
+    in one line naming the profile and `dhelix profile`."""
+    workdir, results = launch
+    plugin = results[0]["plugin"]
+    assert "costs from profile" in plugin["plan_source"], plugin["plan_source"]
+    assert "0 of" in plugin["plan_source"]  # every co-runnable pair measured
+    assert plugin["num_microbatches"] >= 2
+    assert_parity(plugin, STEPS, *TOLERANCES["cpu"])
+    assert all(r["plugin"]["other_model_exit"] == 2 for r in results)
+    error = plugin["other_model_error"]
+    assert len(error) == 1 and error[0].startswith("error: "), error
+    assert str(workdir / "full" / "profile.json") in error[0]
+    assert "measured for another configuration" in error[0] and "ffn256" in error[0], error
 
 
 def test_comp_only_single_process_command(tmp_path):
@@ -95,10 +110,12 @@ def test_comp_only_single_process_command(tmp_path):
     torchrun, TP=1, computation only; then `--show` prints the class table."""
     out = tmp_path / "comp.json"
     run = subprocess.run(
-        [sys.executable, "-m", "dhelix", "profile", "--preset", "tiny", "--comp-only",
+        [sys.executable, "-m", "dhelix", "profile", "--preset", "tiny", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--comp-only",
          "--repeats", "2", "--warmup", "0", "--max-pairs", "12", "-o", str(out)],
-        capture_output=True, text=True, timeout=240, env={"OMP_NUM_THREADS": "1",
-                                                          "PATH": "/usr/bin:/bin"})
+        capture_output=True, text=True, timeout=240,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+             **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
     assert run.returncode == 0, run.stderr[-3000:]
     document = json.loads(out.read_text())
     assert len(document["pairs"]) == 12
