@@ -165,7 +165,8 @@ def build_runs(megatron_args: list, systems: dict) -> dict:
     their lane groups (the harness's `LanePool`): every idle gloo group costs the running one
     (its transport thread wakes every 10 ms; 60 idle groups made Megatron's step 5-17%
     longer). Close the runs with `close_all_runs()` when done."""
-    from dhelix.bench.systems import PRETRAIN_SCRIPT, RUN_ARGS
+    from dhelix.bench.systems import RUN_ARGS
+    from dhelix.launch import PRETRAIN_SCRIPT
     from megatron_patches.step_harness import build_run
 
     return {name: build_run(str(PRETRAIN_SCRIPT), [*RUN_ARGS, *megatron_args, *extra])
