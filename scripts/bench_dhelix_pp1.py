@@ -23,6 +23,7 @@ promises: Megatron's peak x 1.03 + one layer's saved activations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -68,10 +69,11 @@ def _layer_activation_bytes(run) -> int:
 DEFAULT_SYSTEMS = {"megatron": [], "dhelix": ["--dhelix"]}
 
 
-def _timeline_step(run) -> dict:
-    """One more forward/backward of the `--dhelix` run `run` with the compute thread's spans
-    recorded (`dhelix.runtime.timeline`): seconds of compute, collective issue, waiting on
-    collectives, block barriers, and the step's wall time."""
+def _timeline_step(run, calls, name: str) -> dict:
+    """One more forward/backward of the `--dhelix` run `run` (system `name`, run through
+    `calls`, a `_Calls`) with the compute thread's spans recorded (`dhelix.runtime.timeline`):
+    seconds of compute, collective issue, waiting on collectives, block barriers, and the
+    step's wall time."""
     import torch.distributed as dist
 
     from dhelix.runtime.timeline import Timeline
@@ -80,7 +82,7 @@ def _timeline_step(run) -> dict:
     runner.timeline = Timeline()
     dist.barrier()
     start = time.perf_counter()
-    run.forward_backward()
+    calls(f"{name}.timeline", run, run.forward_backward)
     elapsed = time.perf_counter() - start
     totals = runner.timeline.totals()
     runner.timeline = None
@@ -128,16 +130,18 @@ def _plan_costs(run) -> dict:
     return out
 
 
-def _link_floor(run, repeats: int = 3) -> dict:
+def _link_floor(run, calls, repeats: int = 3) -> dict:
     """The collectives of one forward/backward of `run` (a `PretrainedRun`: Megatron's
-    schedule for the megatron system; `dhelix.bench.link_floor`), replayed `repeats` times
+    schedule for the megatron system, run through `calls`, a `_Calls`;
+    `dhelix.bench.link_floor`), replayed `repeats` times
     one at a time and all at once (interleaved, behind a barrier): their count, tensor bytes,
     the c10d calls not replayed, and this rank's seconds per replay."""
     import torch.distributed as dist
 
     from dhelix.bench.link_floor import record_collectives, replay
 
-    _, collectives, skipped = record_collectives(run.forward_backward)
+    _, collectives, skipped = record_collectives(
+        lambda: calls("megatron.link_floor", run, run.forward_backward))
     out = {"collectives": len(collectives),
            "tensor_bytes": sum(c.tensor_bytes for c in collectives),
            "skipped": sorted(set(skipped)), "one_at_a_time_s": [], "all_at_once_s": []}
@@ -161,7 +165,8 @@ def build_runs(megatron_args: list, systems: dict) -> dict:
     their lane groups (the harness's `LanePool`): every idle gloo group costs the running one
     (its transport thread wakes every 10 ms; 60 idle groups made Megatron's step 5-17%
     longer). Close the runs with `close_all_runs()` when done."""
-    from dhelix.bench.systems import PRETRAIN_SCRIPT, RUN_ARGS
+    from dhelix.bench.systems import RUN_ARGS
+    from dhelix.launch import PRETRAIN_SCRIPT
     from megatron_patches.step_harness import build_run
 
     return {name: build_run(str(PRETRAIN_SCRIPT), [*RUN_ARGS, *megatron_args, *extra])
@@ -174,8 +179,66 @@ def _loss(outcome):
     return None if value is None else float(value)
 
 
+class _Calls:
+    """How bench_body runs a call that runs a model: as it is, or (`emulation`, a
+    `dhelix.gpu_emulation.emulated_run.GpuEmulation`'s fields) under the GPU emulation
+    (`emulated_run.emulated_call` on the run's model chunks), recording each call's
+    modelled kernel ms per system."""
+
+    def __init__(self, emulation: dict | None):
+        self.emulation = self.model = None
+        self.modelled_ms: dict = {}
+        if emulation is not None:
+            from dhelix.gpu_emulation.emulated_run import GpuEmulation
+
+            self.emulation = GpuEmulation(**emulation)
+            self.model = self.emulation.kernel_model()
+
+    def megatron_args(self, args: list) -> list:
+        """`args`, under the emulation with what reads tensor values left out (kernel
+        outputs are garbage under the mode): the data loader's attention mask
+        (`--no-create-attention-mask-in-dataloader`: the attention builds its causal mask
+        itself; `--dhelix`'s causal-mask check would refuse a garbage one) and Megatron's
+        NaN check of the loss and gradients (`--no-check-for-nan-in-loss-and-grad`)."""
+        if self.emulation is None:
+            return args
+        return [*args, "--no-create-attention-mask-in-dataloader",
+                "--no-check-for-nan-in-loss-and-grad"]
+
+    def building(self):
+        """The context to build the runs in: none, or under the emulation a mode that charges
+        nothing worth waiting for (S = 1e-9), so initialising the weights, optimizer state
+        and gradient buffers computes and touches nothing: at Llama-8B layer shapes the
+        untouched pages cost no memory (the weights are garbage; timing only)."""
+        if self.emulation is None:
+            return contextlib.nullcontext()
+        from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
+
+        return GpuEmulationMode(self.model, EmulationConfig(time_scale=1e-9))
+
+    def __call__(self, name: str, run, fn):
+        if self.emulation is None:
+            return fn()
+        from dhelix.gpu_emulation.emulated_run import emulated_call
+
+        with emulated_call(run.model, self.model, self.emulation.config()) as mode:
+            out = fn()
+        self.modelled_ms.setdefault(name, []).append(mode.report().modelled_ms)
+        return out
+
+    def describe(self) -> dict | None:
+        """What the report states: the profile, S, the overlap slowdown and the modelled ms
+        of every emulated call per system (steps first, in order), or None."""
+        if self.emulation is None:
+            return None
+        return {"profile": self.emulation.profile, "time_scale": self.emulation.time_scale,
+                "overlap_slowdown": self.emulation.overlap_slowdown,
+                "host_latency_ms": self.model.host_latency_ms,
+                "modelled_ms": self.modelled_ms}
+
+
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
-               systems: dict | None = None) -> dict:
+               systems: dict | None = None, emulation: dict | None = None) -> dict:
     """Every rank: build one run per system (`build_runs`; `systems`: name -> extra
     arguments added to `megatron_args`; default Megatron and `--dhelix`) from the same seed,
     so the same initial weights and data; then `warmup` + `repeats` rounds, each one
@@ -184,14 +247,21 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     peak memory, then Megatron's communication alone (`_link_floor`), then one recorded
     forward/backward per DHelix-runtime system (`_timeline_step`). Returns this rank's step
     times (measured rounds only), peak bytes, the link floor readings and, per system using
-    the DHelix runtime, its plan description and timeline totals. Closes every run."""
+    the DHelix runtime, its plan description and timeline totals. Closes every run.
+
+    `emulation` (`dhelix.gpu_emulation.emulated_run.GpuEmulation`'s fields): every call
+    that runs a model (steps, the memory and recorded forward/backwards, the link floor's
+    recording, the activation count) runs under the GPU emulation (`_Calls`); the result's
+    "gpu_emulation" says so, with each call's modelled kernel ms."""
     import torch.distributed as dist
 
     from dhelix.bench.cpu_time import CpuTimes
     from dhelix.memtrace import measure_peak
     from megatron_patches.step_harness import close_all_runs
 
-    runs = build_runs(megatron_args, systems or DEFAULT_SYSTEMS)
+    calls = _Calls(emulation)
+    with calls.building():
+        runs = build_runs(calls.megatron_args(megatron_args), systems or DEFAULT_SYSTEMS)
     times = {name: [] for name in runs}
     first_loss = {}  # every system's first step (same weights and data: equal losses)
     # where a measured step went: forward/backward (what a recorded step covers), the
@@ -203,7 +273,7 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
             dist.barrier()
             cpu_before = CpuTimes.now()
             start = time.perf_counter()
-            outcome = run.train_step()
+            outcome = calls(name, run, run.train_step)
             elapsed = time.perf_counter() - start
             cpu = CpuTimes.now().since(cpu_before)
             if i == 0:
@@ -221,10 +291,11 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     for name, run in runs.items():
         dist.barrier()
         with run.active():
-            _, reading = measure_peak(run.forward_backward)
+            _, reading = measure_peak(lambda: calls(f"{name}.memory", run,
+                                                    run.forward_backward))
         memory[name] = reading.compute_peak_bytes
     megatron = runs.get("megatron")
-    link_floor = _link_floor(megatron) if megatron is not None else None
+    link_floor = _link_floor(megatron, calls) if megatron is not None else None
     first = next(iter(runs.values()))
     result = {"rank": ctx.rank, "times": times, "step_parts": parts, "memory": memory,
               "link_floor": link_floor,
@@ -233,14 +304,16 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
                         if r.dhelix is not None},
               "plan_costs": {name: _plan_costs(r) for name, r in runs.items()
                              if r.dhelix is not None and r.dhelix.plan is not None},
-              "timelines": {name: _timeline_step(r) for name, r in runs.items()
+              "timelines": {name: _timeline_step(r, calls, name) for name, r in runs.items()
                             if r.dhelix is not None}}
     dhelix = runs.get("dhelix")
     if dhelix is not None and dhelix.dhelix is not None and dhelix.dhelix.plan is not None:
         plan = dhelix.dhelix.plan
-        result.update(layer_activation_bytes=_layer_activation_bytes(dhelix),
+        result.update(layer_activation_bytes=calls("dhelix.activations", dhelix,
+                                                   lambda: _layer_activation_bytes(dhelix)),
                       predicted_speedup=plan.speedup, plan_blocks=len(plan.blocks),
                       plan_source=dhelix.dhelix.plan_source)
+    result["gpu_emulation"] = calls.describe()
     close_all_runs()
     return result
 

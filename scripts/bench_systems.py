@@ -5,6 +5,8 @@ same model, weights, data and launch, across an emulated, bandwidth-shaped clust
 
     sudo .venv/bin/python scripts/bench_systems.py --configs a,b,c --out bench_out
     sudo .venv/bin/python scripts/bench_systems.py --quick --configs a --out /tmp/q  # tiny
+    sudo .venv/bin/python scripts/bench_systems.py --configs a --bandwidth 400gbit \
+        --gpu-emulation h100_profile.json --time-scale 50 --out emu  # emulated GPUs
 
 For each configuration ((a) 2 nodes x 1 rank TP=2; (b) 2 x 2 TP=4; (c) 2 x 2 TP=2 PP=2) it
 launches the emulated cluster once (`scripts/emulated_cluster.py`, which removes its
@@ -43,6 +45,14 @@ DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-h
 QUICK_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "1", "--max-pairs", "8"]
 # the tiny model (configs/tiny.json) with a global batch of 4
 QUICK_MODEL = [*tiny_model(global_batch_size=4), "--train-iters", "1000"]
+# --gpu-emulation's default: Llama-8B layers (the H100 profile's shape), 2 of them, m=8
+EMULATED_GPU_MODEL = [
+    "--num-layers", "2", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
+    "--global-batch-size", "8", "--normalization", "RMSNorm", "--swiglu",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--bf16",
+    "--untie-embeddings-and-output-weights", "--train-iters", "1000"]
 
 
 def per_config(values: list, option: str, configs: list) -> dict:
@@ -102,28 +112,86 @@ def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path) -> st
     return str(path)
 
 
-def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Path) -> dict:
-    """Launch the cluster for one configuration with every available system; returns the
-    configuration's entry of results.json (raw per-rank data included)."""
+def emulated_bandwidth(bandwidth: str, time_scale: float | None) -> str:
+    """The rate the cluster's link gets: `bandwidth` itself, or with a time scale S (GPU
+    emulation) the GPU cluster's `bandwidth` divided by S (`emulated_run.emulated_link_rate`),
+    in tc's units."""
+    from dhelix.cluster.units import format_rate, parse_rate
+    from dhelix.gpu_emulation.emulated_run import emulated_link_rate
+
+    rate = parse_rate(bandwidth)
+    if time_scale is None or rate is None:
+        return bandwidth
+    return format_rate(emulated_link_rate(rate, time_scale))
+
+
+def check_gpu_emulation(ns) -> str | None:
+    """The `error: ...` line for bad --gpu-emulation / --time-scale options, else None;
+    with --gpu-emulation, sets `ns.no_profile` (`dhelix profile` would time this CPU, not
+    the emulated GPU: DHelix plans from --dhelix-profile or analytic costs)."""
+    if ns.gpu_emulation is None:
+        return ("error: --time-scale goes with --gpu-emulation PROFILE"
+                if ns.time_scale is not None else None)
+    if ns.time_scale is None or not ns.time_scale > 0:
+        return "error: --gpu-emulation needs --time-scale S > 0 (kernel times x S, link / S)"
+    if not Path(ns.gpu_emulation).is_file():
+        return f"error: --gpu-emulation {ns.gpu_emulation}: no such file"
+    ns.no_profile = True
+    return None
+
+
+def gpu_emulation_spec(ns) -> dict | None:
+    """`--gpu-emulation PROFILE --time-scale S`: the profile's layer traced once in a process
+    of its own (`profile_fit.trace_profile_layer`), as the `GpuEmulation` fields every rank
+    gets; None without --gpu-emulation."""
+    if ns.gpu_emulation is None:
+        return None
+    from dhelix.gpu_emulation.emulated_run import GpuEmulation
+    from dhelix.gpu_emulation.profile_fit import trace_profile_layer
+    from dhelix.harness import run_megatron_ranks
+
+    profile = str(Path(ns.gpu_emulation).resolve())
+    print(f"[bench] GPU emulation: tracing the layer of {profile}", flush=True)
+    trace = run_megatron_ranks(trace_profile_layer, 1, profile, timeout_s=600,
+                               env={"OMP_NUM_THREADS": "1"})[0]
+    emulation = GpuEmulation(profile=profile, trace=trace, time_scale=ns.time_scale)
+    emulation.kernel_model()  # refuse a profile the model cannot be fitted to, here
+    # the ranks (which inherit this environment): every allocation of 1 MiB or more its own
+    # mmap, so the emulation's never-written kernel outputs stay untouched zero pages; with
+    # glibc's adaptive threshold they come from the heap, reusing written pages (a rank at
+    # Llama-8B layer shapes reached 11.7 GB resident and was killed)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    return {"profile": profile, "trace": trace, "time_scale": ns.time_scale,
+            "overlap_slowdown": emulation.overlap_slowdown}
+
+
+def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Path,
+               emulation: dict | None = None) -> dict:
+    """Launch the cluster for one configuration with every available system (under the GPU
+    emulation `emulation`, `gpu_emulation_spec`'s, when given: the link then gets
+    `bandwidth` / S); returns the configuration's entry of results.json (raw per-rank data
+    included)."""
     from dhelix.bench.report import summarise_config
 
     base = model + config.parallel_args()
     available = {name: run.args for name, run in runs.items() if not run.unavailable}
     raw_path = raw_dir / f"{config.name}.ranks.json"
     spec = {"megatron_args": base, "systems": available, "reps": ns.reps,
-            "warmup": ns.warmup, "out": str(raw_path)}
+            "warmup": ns.warmup, "out": str(raw_path), "gpu_emulation": emulation}
+    link = emulated_bandwidth(bandwidth, emulation and emulation["time_scale"])
     spec_path = raw_dir / f"{config.name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     load_before = [round(x, 2) for x in os.getloadavg()]
     status, cleanup, ranks = "not launched (no system available)", "nothing launched", []
     if available:
         command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
-                   "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
+                   "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", link,
                    "--comm-priority", ns.comm_priority,
                    "--timeout", str(ns.timeout), "--", str(Path(__file__).resolve()),
                    "--worker", str(spec_path)]
         print(f"[bench] ({config.name}) {config.description}: {len(available)} systems, "
-              f"{bandwidth}", flush=True)
+              f"{bandwidth}" + (f" emulated at {link} (S={emulation['time_scale']:g})"
+                                if emulation else ""), flush=True)
         started = time.time()
         with open(raw_dir / f"{config.name}.log", "w") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -148,7 +216,7 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
                        "nodes": config.nodes, "ranks_per_node": config.ranks_per_node,
                        "tp": config.tp, "pp": config.pp, "world_size": config.world_size,
                        "cores": os.cpu_count(), "oversubscribed": config.oversubscribed()},
-            "bandwidth": bandwidth, "comm_priority": ns.comm_priority,
+            "bandwidth": bandwidth, "link_rate": link, "comm_priority": ns.comm_priority,
             "status": status, "cleanup": cleanup,
             "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
             "summary": summarise_config(raw), "raw": raw}
@@ -185,7 +253,8 @@ def orchestrate(ns) -> int:
     if not any(s.name == "megatron" for s in systems):
         print("error: --systems must include megatron (the baseline)", file=sys.stderr)
         return 2
-    model = ns.model_args or (QUICK_MODEL if ns.quick else DEFAULT_MODEL)
+    model = ns.model_args or (QUICK_MODEL if ns.quick else EMULATED_GPU_MODEL
+                              if ns.gpu_emulation else DEFAULT_MODEL)
     bandwidths = per_config(ns.bandwidth, "--bandwidth", configs)
     profiles = per_config(ns.dhelix_profile, "--dhelix-profile", configs)
     for name, path in profiles.items():
@@ -198,8 +267,11 @@ def orchestrate(ns) -> int:
     out = Path(ns.out).resolve()
     raw_dir = out / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
+    emulation = gpu_emulation_spec(ns)
     results = {"megatron_args": model, "reps": ns.reps, "warmup": ns.warmup,
-               "systems": [s.name for s in systems], "configs": []}
+               "systems": [s.name for s in systems], "configs": [],
+               "gpu_emulation": emulation and {k: v for k, v in emulation.items()
+                                               if k != "trace"}}
     failed = False
     for name in configs:
         config = CONFIGS[name]
@@ -208,7 +280,7 @@ def orchestrate(ns) -> int:
                                                                  for s in systems):
             profiles[name] = profile_config(config, model, ns, bandwidth, raw_dir)
         runs = {s.name: plan_system(s, config, model, profiles[name]) for s in systems}
-        entry = run_config(config, runs, model, ns, bandwidth, raw_dir)
+        entry = run_config(config, runs, model, ns, bandwidth, raw_dir, emulation)
         failed |= not entry["status"].startswith("exit 0") or "LEFT" in entry["cleanup"]
         results["configs"].append(entry)
         _write(out, results, markdown, bar_chart)  # partial results survive a later failure
@@ -232,7 +304,8 @@ def worker(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     result = bench_body(RankContext(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])),
-                        spec["megatron_args"], spec["reps"], spec["warmup"], spec["systems"])
+                        spec["megatron_args"], spec["reps"], spec["warmup"], spec["systems"],
+                        spec.get("gpu_emulation"))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:
@@ -272,6 +345,15 @@ def main(argv=None) -> int:
                         help="a tiny case (for the test): 4-layer tiny model, 1 repetition")
     parser.add_argument("--timeout", type=int, default=1800,
                         help="seconds per configuration before the cluster is stopped")
+    parser.add_argument("--gpu-emulation", default=None, metavar="PROFILE",
+                        help="run every system's steps under the GPU emulation "
+                             "(docs/gpu_emulation.md): compute kernels take PROFILE's times "
+                             "(a `dhelix profile --comp-only` file) x S; the default model "
+                             "becomes Llama-8B layers; no profiling (DHelix: --dhelix-profile "
+                             "or the analytic plan)")
+    parser.add_argument("--time-scale", type=float, default=None, metavar="S",
+                        help="with --gpu-emulation: kernel times x S and the link's rate "
+                             "(--bandwidth, the GPU cluster's) / S")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("model_args", nargs=argparse.REMAINDER,
                         help="after --: Megatron model arguments replacing the default model")
@@ -279,6 +361,10 @@ def main(argv=None) -> int:
     if ns.worker:
         return worker(ns.worker)
     ns.model_args = ns.model_args[1:] if ns.model_args[:1] == ["--"] else ns.model_args
+    refusal = check_gpu_emulation(ns)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     if ns.reps is None:
         ns.reps = 1 if ns.quick else 5
     if ns.warmup is None:

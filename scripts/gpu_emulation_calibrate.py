@@ -1,7 +1,7 @@
 """Calibrate the GPU emulation against the measured H100 step (docs/gpu_emulation.md).
 
 First traces the profile's operators at the profile's layer shape
-(`dhelix.gpu_emulation.profile_trace`) and fits the kernel model at the traced bytes
+(`dhelix.gpu_emulation.profile_fit.trace_profile_layer`) and fits the kernel model at the traced bytes
 (printing each profile entry measured vs modelled). Then runs megatron-core's GPTModel (local
 spec, one rank on CPU) at the Llama-8B layer shape (hidden 4096, FFN 14336, 32 heads, 8
 groups, seq 4096, bf16, micro-batch 1, 8 micro-batches, vocabulary 32000, untied output
@@ -12,7 +12,17 @@ and each `--num-layers` (the H100 run had 4; fewer fit this machine's memory), a
 run the modelled step (sum of kernel times: what the GPU stream would take if the host keeps
 up), the wall time / S, and the modelled time per term and per aten operator; then the
 step extrapolated linearly in the layer count to `--target-layers`, against the measured
-885-893 ms (stock) and 898-930 ms (`--dhelix` sequential). TIMING ONLY: the weights are never initialised (the model is built under the mode).
+885-893 ms (stock) and 898-930 ms (`--dhelix` sequential). TIMING ONLY: the weights are never
+initialised (the model is built under the mode).
+
+`--layer-config step` (default) runs the configuration the measured step ran (Megatron-LM's
+`core_transformer_config_from_args` and `Float16Module`): a bf16 softmax
+(`attention_softmax_in_fp32=False`, charged at the profile's attention rescaled to the
+bf16-softmax bytes, `kernel_model.CoreAttentionTrace`) and bf16 norm weights (one fused
+kernel per norm, `regions.fused_norm_regions`); `profile` runs the profiled layer's (fp32
+softmax, fp32 norm weights). `--host-latency zero-kernel` takes the latency measured by the
+profile's zero-kernel entries off its memory-bound and attention entries
+(`kernel_model.zero_kernel_latency_ms`); a number, that many ms; 0 none.
 
     PYTHONPATH=. flock /tmp/dhelix-heavy.lock python scripts/gpu_emulation_calibrate.py \\
         --profile /work/shared/measurements/h100_llama8b_layer_comp_only_profile.json
@@ -32,47 +42,18 @@ MEASURED_H100_STEP_MS = {"megatron": (885.0, 893.0), "dhelix-sequential": (898.0
 SCHEDULES = tuple(MEASURED_H100_STEP_MS)
 
 
-SEQ, VOCAB, KV_CHANNELS = 4096, 32000, 128
+SEQ, VOCAB = 4096, 32000
+LAYER_CONFIGS = ("step", "profile")
 
 
-def h100_layer_config(num_layers):
-    """The profiled H100 layer's TransformerConfig (Llama-8B layers, local spec, unfused; as
-    `dhelix profile` builds it: fp32 softmax, fp32 norm weights)."""
-    import torch
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=num_layers, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-        num_query_groups=8, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, use_cpu_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
-
-
-def trace_h100_layer(ctx, profile_path):
-    """Rank function (`run_megatron_ranks`): the bytes each profiled operator issues at the
-    profile's layer shape (`profile_trace.trace_operator_bytes` on one megatron-core layer
-    of `h100_layer_config`)."""
-    import torch
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
-
-    from dhelix.gpu_emulation.kernel_model import fit_kernel_model
-    from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
-    from dhelix.gpu_emulation.profile_trace import trace_operator_bytes
-    from dhelix.ops.runner import BoundLayer
+def h100_layer_config(profile_path, num_layers, softmax_in_fp32=True):
+    """The profiled H100 layer's TransformerConfig (`profile_fit.layer_config`: Llama-8B
+    layers, local spec, unfused; fp32 softmax as `dhelix profile` builds it; the norm weights
+    stay fp32 unless the caller casts the model as Float16Module does)."""
+    from dhelix.gpu_emulation.profile_fit import layer_config, profile_layer
     from profiler.profile_file import load_profile
 
-    model_fit = fit_kernel_model(load_profile(profile_path))
-    with GpuEmulationMode(model_fit, EmulationConfig(time_scale=1e-9)):  # no init compute
-        layer = build_module(get_gpt_layer_local_spec(normalization="RMSNorm"),
-                             config=h100_layer_config(1), layer_number=1)
-        rotary = RotaryEmbedding(kv_channels=KV_CHANNELS, rotary_percent=1.0)(SEQ)
-        x, dy = (torch.empty(SEQ, 1, 4096, dtype=torch.bfloat16) for _ in range(2))
-    return trace_operator_bytes(BoundLayer(layer, SEQ, 1, rope=True), x, dy, rotary, model_fit)
+    return layer_config(profile_layer(load_profile(profile_path)), num_layers, softmax_in_fp32)
 
 
 def _dhelix_sequential(gpt, num_layers, micro_batches):
@@ -95,7 +76,9 @@ def _dhelix_sequential(gpt, num_layers, micro_batches):
     return setup_dhelix(run, [gpt], Job()).forward_backward_func
 
 
-def _step(ctx, profile_path, traced, num_layers, time_scale, micro_batches, schedule):
+def _step(ctx, profile_path, trace, host_latency, layer_config, num_layers, time_scale,
+          micro_batches, schedule):
+    import contextlib
     import time
 
     import torch
@@ -103,18 +86,22 @@ def _step(ctx, profile_path, traced, num_layers, time_scale, micro_batches, sche
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from dhelix.gpu_emulation.kernel_model import fit_kernel_model
     from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
-    from dhelix.gpu_emulation.regions import attention_regions
+    from dhelix.gpu_emulation.profile_fit import fit_emulation_model
+    from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions
     from profiler.profile_file import load_profile
 
-    model_fit = fit_kernel_model(load_profile(profile_path), traced_bytes=traced)
+    model_fit = fit_emulation_model(load_profile(profile_path), trace, host_latency)
     seq, vocab = SEQ, VOCAB
+    step_config = layer_config == "step"
     with GpuEmulationMode(model_fit, EmulationConfig(time_scale=1e-9)):  # no init compute
-        gpt = GPTModel(config=h100_layer_config(num_layers),
+        gpt = GPTModel(config=h100_layer_config(profile_path, num_layers,
+                                                softmax_in_fp32=not step_config),
                        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                        vocab_size=vocab, max_sequence_length=seq,
-            share_embeddings_and_output_weights=False, position_embedding_type="rope")
+                       share_embeddings_and_output_weights=False, position_embedding_type="rope")
+        if step_config:
+            gpt.bfloat16()  # what Float16Module does to a --bf16 model: norm weights bf16
     optimizer = torch.optim.SGD(gpt.parameters(), lr=1e-4)
     tokens = torch.randint(0, vocab, (1, seq))
     positions = torch.arange(seq).unsqueeze(0)
@@ -140,7 +127,8 @@ def _step(ctx, profile_path, traced, num_layers, time_scale, micro_batches, sche
             forward_only=False)
         optimizer.step()
 
-    with attention_regions(gpt):
+    with attention_regions(gpt), fused_norm_regions(gpt) if step_config else (
+            contextlib.nullcontext()):
         with GpuEmulationMode(model_fit, EmulationConfig(time_scale=time_scale)):
             train_step()  # warm-up: first-call host costs
         mode = GpuEmulationMode(model_fit, EmulationConfig(time_scale=time_scale))
@@ -150,6 +138,7 @@ def _step(ctx, profile_path, traced, num_layers, time_scale, micro_batches, sche
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     report = mode.report()
     return {"schedule": schedule, "engine": forward_backward.__qualname__,
+            "layer_config": layer_config, "host_latency_ms": model_fit.host_latency_ms,
             "num_layers": num_layers, "modelled_ms": report.modelled_ms,
             "wall_ms_over_S": wall * 1000 / time_scale, "cpu_s": cpu, "wall_s": wall,
             "ran_for_real": report.ran_for_real, "absorbed": report.absorbed,
@@ -167,22 +156,34 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
                         help="megatron: its forward_backward_no_pipelining; dhelix-sequential: "
                              "--dhelix --dhelix-pairer sequential's engine")
+    parser.add_argument("--layer-config", choices=LAYER_CONFIGS, default="step",
+                        help="step: the measured step's bf16 softmax and bf16 norm weights; "
+                             "profile: the profiled layer's fp32 softmax and fp32 norm weights")
+    parser.add_argument("--host-latency", default="zero-kernel",
+                        help="ms taken off the profile's memory-bound and attention entries; "
+                             "zero-kernel: measured by its entries that issue no kernel")
     parser.add_argument("--json", help="write the runs here")
     args = parser.parse_args(argv)
     if len(set(args.num_layers)) < 2:
         parser.error("error: give two or more different --num-layers to extrapolate")
-    from dhelix.gpu_emulation.kernel_model import fit_kernel_model
+    if args.host_latency != "zero-kernel":
+        try:
+            float(args.host_latency)
+        except ValueError:
+            parser.error(f"error: --host-latency must be zero-kernel or ms, got {args.host_latency!r}")
+    from dhelix.gpu_emulation.profile_fit import fit_emulation_model, trace_profile_layer
     from dhelix.harness import run_megatron_ranks
     from profiler.profile_file import load_profile
 
     env = {"OMP_NUM_THREADS": "1"}
-    traced = run_megatron_ranks(trace_h100_layer, 1, args.profile, timeout_s=600, env=env)[0]
-    _print_fit(load_profile(args.profile), fit_kernel_model(load_profile(args.profile),
-                                                            traced_bytes=traced), traced)
+    trace = run_megatron_ranks(trace_profile_layer, 1, args.profile, timeout_s=600, env=env)[0]
+    model = fit_emulation_model(load_profile(args.profile), trace, args.host_latency)
+    _print_fit(load_profile(args.profile), model, trace["operators"])
     runs, results = [], {}
     for schedule in args.schedules:
         for n in sorted(set(args.num_layers)):
-            runs.append(run_megatron_ranks(_step, 1, args.profile, traced, n, args.time_scale,
+            runs.append(run_megatron_ranks(_step, 1, args.profile, trace, args.host_latency,
+                                           args.layer_config, n, args.time_scale,
                                            args.micro_batches, schedule, timeout_s=1800,
                                            env=env)[0])
             _print_run(runs[-1], args.time_scale)
@@ -199,7 +200,7 @@ def main(argv=None) -> int:
               f"{lo:.0f}-{hi:.0f} ms on one H100 ({target / ((lo + hi) / 2) - 1:+.1%})")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "results": results,
-                                               "traced": traced}, indent=1))
+                                               "trace": trace}, indent=1))
     return 0
 
 
@@ -215,9 +216,14 @@ def _print_run(run, time_scale) -> None:
 
 
 def _print_fit(profile, model, traced) -> None:
-    """The fit at traced bytes: the bandwidth, and each profile entry measured vs modelled."""
+    """The fit at traced bytes: the host latency, the bandwidth, the attention rates, and
+    each profile entry measured vs modelled."""
+    print(f"host latency taken off the memory-bound and attention entries: "
+          f"{model.host_latency_ms:.3f} ms")
     print(f"memory-bound bandwidth at traced bytes: {model.bandwidth['elementwise'] / 1e6:.0f} "
           "GB/s")
+    for (kernel, phase), rate in sorted(model.attention.items()):
+        print(f"  attention {kernel:22s} {phase}: {rate / 1e9:7.1f} TFLOP/s")
     print(f"  {'profile entry':78s} {'instances':>9s} {'traced MB':>10s} {'measured':>9s} "
           f"{'modelled':>9s}")
     for key, measured in sorted(profile.solo.items()):

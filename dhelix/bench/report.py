@@ -170,6 +170,15 @@ def markdown(results: dict) -> str:
              "beside it). Hidden share = (T_megatron - T_x) / "
              "(T_megatron - T_commfree). The comm-free row is a timing-only bound (its "
              "collectives are no-ops, its numerics are wrong).", ""]
+    emulation = results.get("gpu_emulation")
+    if emulation:
+        lines += [f"**Emulated GPU** (docs/gpu_emulation.md): every compute kernel of every "
+                  f"system takes the time fitted to `{emulation['profile']}` x S = "
+                  f"{emulation['time_scale']:g} (asleep, no core held; "
+                  f"{emulation['overlap_slowdown']:.0%} slower beside a collective in flight)"
+                  f", the link runs at the GPU cluster's rate / S; timing only (kernel "
+                  f"outputs are not computed). Step times in the tables are this cluster's "
+                  f"wall times; the emulated GPU cluster's are these / S.", ""]
     for entry in results["configs"]:
         cfg = entry["config"]
         share = entry["summary"]["comm_share_of_megatron"]
@@ -177,7 +186,10 @@ def markdown(results: dict) -> str:
                 "(the ranks' computation time-shares the cores; not a headline figure)."
                 if cfg.get("oversubscribed") else "")
         lines += [f"## ({cfg['name']}) {cfg['description']}", "",
-                  f"Link {entry['bandwidth']}; gloo threads "
+                  f"Link {entry['bandwidth']}"
+                  + (f" (emulated at {entry.get('link_rate')}, S = "
+                     f"{emulation['time_scale']:g})" if emulation else "")
+                  + "; gloo threads "
                   f"{_COMM_PRIORITY.get(entry.get('comm_priority'), 'scheduling not recorded')}"
                   "; load average before/after "
                   f"{entry['load_before']} / {entry['load_after']}; communication = "
@@ -187,6 +199,8 @@ def markdown(results: dict) -> str:
                   "predicted | comm hidden | peak mem / rank (MiB, max) |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for row in entry["summary"]["rows"]:
+            if emulation:
+                row = {**row, "label": f"{row['label']} (emulated GPU)"}
             if row["unavailable"]:
                 lines.append(f"| {row['label']} | n/a ({row['unavailable']}) | | | | | | |")
                 continue

@@ -16,7 +16,26 @@ at one layer shape. From its solo entries this module fits, per kernel class:
   once, outputs written once), per class, norm ("norm") and the others ("elementwise").
 - attention: FLOPs per ms of the profile's own attention entries ("unfused" fwd / bwd) and a
   stated rate for a fused SDPA kernel (`sdpa_tflops`, default the H100 measurement in
-  DESIGN.md: 1.26 ms fwd+bwd at s=4096, 32 heads, d=128, causal = 382 TFLOP/s).
+  DESIGN.md: 1.26 ms fwd+bwd at s=4096, 32 heads, d=128, causal = 382 TFLOP/s). The
+  profile's attention is taken as Megatron's unfused core attention with an fp32 softmax
+  (the H100 profile's: the profiler's former layer set-up kept TransformerConfig's default
+  `attention_softmax_in_fp32=True`; the profile file does not record it).
+  With `core_attention` (a `CoreAttentionTrace`: the core attention's batched-GEMM time and
+  memory-bound bytes at the profile's shape, fp32 and bf16 softmax) the model also has
+  "unfused.bf16-softmax": the profile's region time split as GEMMs + bytes / B, B the
+  region's own bandwidth fitted at the fp32-softmax bytes, and charged at the bf16-softmax
+  bytes (the attention Megatron-LM runs by default: `--attention-softmax-in-fp32` off).
+- host latency (`host_latency_ms`, optional): the profiler records each operator's start
+  event before the host issues its first kernel (`profiler.timing.Timer.time`), so every
+  solo entry holds the host time of the operator's dispatch up to that kernel, which a
+  training step's host hides by running ahead. An operator that issues no kernel measures
+  exactly that (`zero_kernel_latency_ms`: bias-dropout-add backward, 0.281 ms on the H100
+  profile). It is taken off every memory-bound and attention entry (dhelix operators that
+  trace a local autograd region before their first kernel; the memory-bound bandwidth is
+  pooled, so the layer's memory-bound total still comes back exactly) before the fit; not
+  off the GEMM entries, whose dispatch is one call: the
+  largest forward GEMM leaves at most 0.085 ms above its back-to-back rate (788 TFLOP/s,
+  DESIGN.md), and they stay as measured.
 
 With traced bytes, an attention or GEMM entry's own rate is fitted to its time less its
 traced memory-bound kernels' (the attention operator's QKV split and RoPE run outside the
@@ -38,7 +57,7 @@ from profiler.profile_file import Profile
 
 GEMM_PHASES = ("fwd", "dgrad", "wgrad")
 MEMORY_CLASSES = ("norm", "elementwise")
-ATTENTION_KERNELS = ("unfused", "sdpa")
+ATTENTION_KERNELS = ("unfused", "unfused.bf16-softmax", "sdpa")
 # H100 bf16 SDPA at s=4096, b=1, 32 heads, d=128, causal: 1.26 ms fwd+bwd (DESIGN.md).
 H100_SDPA_TFLOPS = 382.0
 _KEY = re.compile(r"^(?P<op>[a-z_]+)\.(?P<phase>[a-z]+)\((?P<dims>[^)]*)\)/(?P<dtype>\w+)$")
@@ -113,11 +132,25 @@ def _interpolate(points: tuple, flops: float) -> float:
 
 
 @dataclass(frozen=True)
+class CoreAttentionTrace:
+    """Megatron's unfused core attention at the profile's attention shape, run under the
+    emulation without a region (`profile_trace.trace_core_attention`), per phase ("fwd",
+    "bwd"): `gemm_ms` the modelled ms of its batched GEMMs; `fp32_softmax_bytes` /
+    `bf16_softmax_bytes` the bytes of its memory-bound kernels with
+    `attention_softmax_in_fp32` True (as profiled) / False."""
+
+    gemm_ms: dict
+    fp32_softmax_bytes: dict
+    bf16_softmax_bytes: dict
+
+
+@dataclass(frozen=True)
 class KernelTimeModel:
     """Fitted rates. `gemm[phase]`: sorted ((flops, tflops), ...); `bandwidth[cls]`: bytes
     per ms; `attention[(kernel, phase)]`: FLOPs per ms; `fitted_from`: the solo keys used;
     `memory_fit`: "traced" or "nominal"; `traced_bytes`: {cost key: mean traced bytes of an
-    instance} when traced."""
+    instance} when traced; `host_latency_ms`: taken off the memory-bound and attention
+    entries before the fit (0: none)."""
 
     gemm: dict
     bandwidth: dict
@@ -127,6 +160,7 @@ class KernelTimeModel:
     fitted_from: tuple = field(default_factory=tuple)
     memory_fit: str = "nominal"
     traced_bytes: dict = field(default_factory=dict)
+    host_latency_ms: float = 0.0
 
     def gemm_ms(self, m: int, n: int, k: int, *, batch: int = 1, phase: str = "any") -> float:
         """Time of `batch` (m x k) @ (k x n) GEMMs of the given phase's curve."""
@@ -146,14 +180,17 @@ class KernelTimeModel:
 
     def attention_ms(self, s: int, b: int, heads: int, d: int, *, causal: bool, phase: str,
                      kernel: str = "unfused") -> float:
-        """Core attention time (`kernel` "unfused": the profile's own; "sdpa": fused)."""
+        """Core attention time (`kernel` "unfused": the profile's own, fp32 softmax;
+        "unfused.bf16-softmax": the same at bf16-softmax bytes, when fitted with a
+        `CoreAttentionTrace`; "sdpa": fused)."""
         rate = self.attention.get((kernel, phase))
         if rate is None:
             raise ValueError(f"error: no attention rate for kernel {kernel!r}, phase {phase!r}")
         return max(self.min_kernel_ms, attention_flops(s, b, heads, d, causal, phase) / rate)
 
     def solo_ms(self, cost_key: str) -> float:
-        """The modelled time of one of the profile's own operators (for checking the fit)."""
+        """The modelled time of one of the profile's own operators (for checking the fit),
+        the host latency taken off it by the fit included."""
         key = parse_cost_key(cost_key)
         if key is None:
             raise ValueError(f"error: {cost_key!r} is not a compute cost key")
@@ -162,33 +199,54 @@ class KernelTimeModel:
         if key.op == "linear":
             return self.gemm_ms(d["m"], d["n"], d["k"], phase=key.phase) + traced
         if key.op == "attention":
-            return self.attention_ms(d["s"], d["b"], d["heads"], d["d"],
-                                     causal=bool(d.get("causal", 0)), phase=key.phase) + traced
+            return self.host_latency_ms + traced + self.attention_ms(
+                d["s"], d["b"], d["heads"], d["d"], causal=bool(d.get("causal", 0)),
+                phase=key.phase)
         if nominal_bytes(key) is None:
             raise ValueError(f"error: the model has no term for {cost_key!r}")
         if self.memory_fit == "traced":
-            return traced
-        return self.memory_ms(nominal_bytes(key),
+            return self.host_latency_ms + traced
+        return self.host_latency_ms + self.memory_ms(nominal_bytes(key),
                               "norm" if key.op.endswith("norm") else "elementwise")
 
 
+def zero_kernel_latency_ms(profile: Profile, traced_bytes: dict) -> float:
+    """The host latency inside a solo entry, measured by the profile's memory-bound entries
+    whose traced instances issue no kernel (`traced_bytes` of every instance 0: the
+    bias-dropout-add backward without dropout passes its gradient through): their mean
+    measured ms. Raises ValueError when the profile has no such entry."""
+    zero = [ms for name, ms in profile.solo.items()
+            if (key := parse_cost_key(name)) is not None and key.op not in ("linear", "attention")
+            and nominal_bytes(key) is not None and name in traced_bytes
+            and not any(traced_bytes[name])]
+    if not zero:
+        raise ValueError("error: no profiled operator issues zero kernels in the trace; give "
+                         "host_latency_ms explicitly (or 0)")
+    return sum(zero) / len(zero)
+
+
 def fit_kernel_model(profile: Profile, *, sdpa_tflops: float = H100_SDPA_TFLOPS,
-                     min_kernel_ms: float = 0.004, traced_bytes: dict | None = None
-                     ) -> KernelTimeModel:
+                     min_kernel_ms: float = 0.004, traced_bytes: dict | None = None,
+                     host_latency_ms: float = 0.0,
+                     core_attention: CoreAttentionTrace | None = None) -> KernelTimeModel:
     """Fit a `KernelTimeModel` to the profile's solo entries; memory-bound entries at their
     nominal bytes, or, with `traced_bytes` ({cost key: bytes of each operator instance of
-    one layer}, `profile_trace.trace_operator_bytes`), at those (see the module docstring).
-    Raises ValueError (`error: ...`) when the profile lacks a GEMM, a norm, an element-wise
-    or an attention entry (each class needs one to be fitted), mixes dtypes, or when
-    `traced_bytes` misses one of its memory-bound or attention entries or leaves an entry
-    no time of its own."""
+    one layer}, `profile_trace.trace_operator_bytes`), at those; `host_latency_ms` off every
+    memory-bound and attention entry; with `core_attention`, the bf16-softmax attention too
+    (see the module docstring). Raises ValueError (`error: ...`) when the profile lacks a
+    GEMM, a norm, an element-wise or an attention entry (each class needs one to be
+    fitted), mixes dtypes, when `traced_bytes` misses one of its memory-bound or attention
+    entries or leaves an entry no time of its own, or when the latency or the core
+    attention's GEMMs leave the memory-bound or attention entries no time."""
+    if host_latency_ms < 0:
+        raise ValueError(f"error: host_latency_ms must be >= 0, got {host_latency_ms}")
     entries, dtypes = [], set()
     for name, ms in profile.solo.items():
         key = parse_cost_key(name)
         if key is None or not (key.op == "linear" and key.phase in GEMM_PHASES
                                or key.op == "attention" or nominal_bytes(key) is not None):
             continue
-        entries.append((name, key, ms))
+        entries.append((name, key, ms if key.op == "linear" else ms - host_latency_ms))
         dtypes.add(key.dtype)
     if len(dtypes) > 1:
         raise ValueError(f"error: the profile mixes dtypes {sorted(dtypes)}; fit one dtype's entries")
@@ -214,6 +272,9 @@ def fit_kernel_model(profile: Profile, *, sdpa_tflops: float = H100_SDPA_TFLOPS,
         if memory and not moved:
             raise ValueError("error: the traced memory-bound operators move no bytes; trace "
                              "the profile's own layer (profile_trace.trace_operator_bytes)")
+        if memory and spent <= 0:
+            raise ValueError(f"error: host_latency_ms={host_latency_ms} leaves the memory-bound "
+                             "entries no time; give a smaller latency")
         bandwidth = {cls: moved / spent for cls in MEMORY_CLASSES} if moved else {}
     gemm: dict = {phase: {} for phase in GEMM_PHASES}
     attention: dict = {}
@@ -248,13 +309,37 @@ def fit_kernel_model(profile: Profile, *, sdpa_tflops: float = H100_SDPA_TFLOPS,
     for phase in GEMM_PHASES:
         curves.setdefault(phase, curves["any"])
     rates = {k: sum(v) / len(v) for k, v in attention.items()}
+    if core_attention is not None:
+        rates |= _bf16_softmax_rates(entries, rates, core_attention)
     for phase in ("fwd", "bwd"):
         rates[("sdpa", phase)] = sdpa_tflops * 1e9
     return KernelTimeModel(gemm=curves, bandwidth=bandwidth, attention=rates,
                            dtype=dtypes.pop(), min_kernel_ms=min_kernel_ms,
                            fitted_from=tuple(sorted(name for name, _, _ in entries)),
                            memory_fit="nominal" if traced_bytes is None else "traced",
-                           traced_bytes=per_entry)
+                           traced_bytes=per_entry, host_latency_ms=host_latency_ms)
+
+
+def _bf16_softmax_rates(entries, rates: dict, trace: CoreAttentionTrace) -> dict:
+    """{("unfused.bf16-softmax", phase): FLOPs per ms}: the profile's core-attention region
+    (its fitted rate at the profile's attention shape) as GEMMs + fp32-softmax bytes / B,
+    charged at the bf16-softmax bytes (the module docstring)."""
+    out = {}
+    for phase in ("fwd", "bwd"):
+        d = next(key.dims for _, key, _ in entries
+                 if key.op == "attention" and key.phase == phase)
+        flops = attention_flops(d["s"], d["b"], d["heads"], d["d"], bool(d.get("causal", 0)),
+                                phase)
+        region = flops / rates[("unfused", phase)]
+        memory = region - trace.gemm_ms[phase]
+        if memory <= 0 or trace.fp32_softmax_bytes[phase] <= 0:
+            raise ValueError(f"error: the core attention's {phase} GEMMs ({trace.gemm_ms[phase]:.3f}"
+                             f" ms) leave its profiled {region:.3f} ms no memory-bound time; "
+                             "trace the profile's own attention shape")
+        bandwidth = trace.fp32_softmax_bytes[phase] / memory
+        out[("unfused.bf16-softmax", phase)] = flops / (
+            trace.gemm_ms[phase] + trace.bf16_softmax_bytes[phase] / bandwidth)
+    return out
 
 
 def _cls(key: CostKey) -> str:

@@ -12,11 +12,17 @@ each under its own `GpuEmulationMode` and returns the bytes of its memory-bound 
 (`TermTotal.nbytes`), per cost key and operator instance; `kernel_model.fit_kernel_model(
 profile, traced_bytes=...)` fits at them.
 
+`trace_core_attention` runs Megatron's core attention alone, without its region, and
+returns what the kernel model needs to charge it with another softmax dtype than the
+profile's (`kernel_model.CoreAttentionTrace`).
+
 The operators run faked (timing only): nothing is computed, so the trace runs at the
 profile's full shapes in seconds and a few MB.
 """
 
 from __future__ import annotations
+
+import torch
 
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
@@ -67,3 +73,26 @@ def _trace(bound, x, dy, rotary, model: KernelTimeModel) -> dict:
     with GpuEmulationMode(model, _NO_WAIT):
         execution.end_backward()
     return {key: tuple(values) for key, values in traced.items()}
+
+
+def trace_core_attention(core, s: int, b: int, model: KernelTimeModel) -> dict:
+    """{"fwd" / "bwd": (modelled ms of its batched GEMMs, bytes of its memory-bound
+    kernels)} of one forward and one backward of `core` (a megatron-core
+    `DotProductAttention`, causal) over `s` tokens x `b` sequences, each under its own
+    `GpuEmulationMode` with no region, on CPU (inputs and gradients are never read)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    heads, groups = core.num_attention_heads_per_partition, core.num_query_groups_per_partition
+    d, dtype = core.hidden_size_per_attention_head, core.config.params_dtype
+    q = torch.empty(s, b, heads, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.empty(s, b, groups, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    with GpuEmulationMode(model, _NO_WAIT) as forward:
+        out = core(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+    with GpuEmulationMode(model, _NO_WAIT) as backward:
+        out.backward(torch.empty_like(out))
+    traced = {}
+    for phase, mode in (("fwd", forward), ("bwd", backward)):
+        terms = mode.report().by_term
+        traced[phase] = (terms["gemm.batched"].modelled_ms if "gemm.batched" in terms else 0.0,
+                         _memory_bytes(mode))
+    return traced

@@ -37,6 +37,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from dhelix.gpu_emulation.kernel_model import CostKey, nominal_bytes
 from dhelix.gpu_emulation.mode import GpuEmulationMode
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -51,26 +52,59 @@ def active_mode() -> GpuEmulationMode | None:
     return None
 
 
+def core_attention_kernel(mode: GpuEmulationMode, module) -> str:
+    """The attention rate `module`'s core attention is charged at: "unfused" (the profile's
+    own, fp32 softmax) when its config has `attention_softmax_in_fp32`, else
+    "unfused.bf16-softmax" when the mode's model was fitted with a `CoreAttentionTrace`,
+    else "unfused" (the region's term then says which was charged)."""
+    if (not module.config.attention_softmax_in_fp32
+            and ("unfused.bf16-softmax", "fwd") in mode.model.attention):
+        return "unfused.bf16-softmax"
+    return "unfused"
+
+
 def core_attention_ms(mode: GpuEmulationMode, module, s: int, b: int, phase: str) -> float:
     """Modelled ms of one unfused core attention of `module` (a `DotProductAttention`: its
-    heads per rank, head size and mask type) over `s` tokens x `b` sequences in `phase`
-    ("fwd" / "bwd"), at the profile's attention rate."""
+    heads per rank, head size, mask type and softmax dtype) over `s` tokens x `b` sequences
+    in `phase` ("fwd" / "bwd"), at the profile's attention rate (`core_attention_kernel`)."""
     return mode.model.attention_ms(
         s, b, module.num_attention_heads_per_partition, module.hidden_size_per_attention_head,
-        causal=module.attn_mask_type in _CAUSAL, phase=phase, kernel="unfused")
+        causal=module.attn_mask_type in _CAUSAL, phase=phase,
+        kernel=core_attention_kernel(mode, module))
 
 
 def _enter(module, s: int, b: int, phase: str) -> None:
     mode = active_mode()
     if mode is not None:
-        mode.enter_region(f"attention.unfused.{phase}", core_attention_ms(mode, module, s, b,
-                                                                           phase))
+        mode.enter_region(f"attention.{core_attention_kernel(mode, module)}.{phase}",
+                          core_attention_ms(mode, module, s, b, phase))
 
 
 def _exit() -> None:
     mode = active_mode()
     if mode is not None and mode.in_region:
         mode.exit_region()
+
+
+@contextmanager
+def _region_hooks(model: torch.nn.Module, module_type, forward_pre, backward_pre):
+    """Hooks on every `module_type` in `model`: `forward_pre(module, args, kwargs)` and
+    `backward_pre(module, grad_output)` may open a region, the forward hook and the full
+    backward hook close the open one (`_exit`). Removed on exit."""
+    handles = []
+    for module in model.modules():
+        if isinstance(module, module_type):
+            handles += [
+                module.register_forward_pre_hook(forward_pre, with_kwargs=True),
+                module.register_forward_hook(lambda *_: _exit()),
+                module.register_full_backward_pre_hook(backward_pre),
+                module.register_full_backward_hook(lambda *_: _exit()),
+            ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager
@@ -87,17 +121,49 @@ def attention_regions(model: torch.nn.Module):
         grad = grad_output[0]  # [s, b, heads x d]
         _enter(module, grad.shape[0], grad.shape[1], "bwd")
 
-    handles = []
-    for module in model.modules():
-        if isinstance(module, DotProductAttention):
-            handles += [
-                module.register_forward_pre_hook(forward_pre, with_kwargs=True),
-                module.register_forward_hook(lambda *_: _exit()),
-                module.register_full_backward_pre_hook(backward_pre),
-                module.register_full_backward_hook(lambda *_: _exit()),
-            ]
-    try:
+    with _region_hooks(model, DotProductAttention, forward_pre, backward_pre):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def fused_norm_ms(mode: GpuEmulationMode, x: torch.Tensor, phase: str) -> float:
+    """Modelled ms of one fused RMSNorm over `x` ([..., h]) in `phase`: its nominal bytes
+    (`kernel_model.nominal_bytes`: input(s) read once, output written once) at the model's
+    norm bandwidth."""
+    h = x.shape[-1]
+    key = CostKey("rms_norm", phase, {"s": x.numel() // h, "b": 1, "h": h},
+                  _DTYPE_NAMES[x.dtype])
+    return mode.model.memory_ms(nominal_bytes(key), "norm")
+
+
+@contextmanager
+def fused_norm_regions(model: torch.nn.Module):
+    """While open, every `torch.nn.RMSNorm` in `model` whose weight has its input's dtype
+    (Megatron-LM's `Float16Module` casts the norm weights to bf16) charges its forward and
+    backward as one fused kernel each (`fused_norm_ms`, term "norm.fused.<phase>"), the
+    aten kernels of torch's decomposition inside absorbed: on CUDA torch runs such a norm as
+    one fused kernel, on CPU it reaches the dispatcher decomposed (casts, pow, mean, rsqrt,
+    muls). A norm with an fp32 weight against a bf16 input (what the profile timed) takes
+    torch's unfused path on CUDA too, gets no region and stays charged per aten kernel.
+    Same hook points as `attention_regions`; regions do not nest (a norm is never inside a
+    core attention)."""
+
+    def fused(module, dtype) -> bool:
+        return module.weight is not None and module.weight.dtype == dtype
+
+    def forward_pre(module, args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        mode = active_mode()
+        if mode is not None and fused(module, x.dtype):
+            mode.enter_region("norm.fused.fwd", fused_norm_ms(mode, x, "fwd"))
+
+    def backward_pre(module, grad_output):
+        grad = grad_output[0]
+        mode = active_mode()
+        if mode is not None and grad is not None and fused(module, grad.dtype):
+            mode.enter_region("norm.fused.bwd", fused_norm_ms(mode, grad, "bwd"))
+
+    with _region_hooks(model, torch.nn.RMSNorm, forward_pre, backward_pre):
+        yield

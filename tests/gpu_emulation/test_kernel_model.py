@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dhelix.gpu_emulation.kernel_model import (
-    H100_SDPA_TFLOPS, attention_flops, fit_kernel_model, nominal_bytes, parse_cost_key)
+    H100_SDPA_TFLOPS, CoreAttentionTrace, attention_flops, fit_kernel_model, nominal_bytes,
+    parse_cost_key, zero_kernel_latency_ms)
 from profiler.profile_file import Profile, load_profile
 
 H100_PROFILE = Path("/work/shared/measurements/h100_llama8b_layer_comp_only_profile.json")
@@ -167,3 +168,49 @@ def test_traced_bytes_that_do_not_match_the_profile_are_refused():
     # an attention entry whose traced kernels alone take longer than it was measured
     with pytest.raises(ValueError, match="the trace does not match the profile"):
         fit_kernel_model(profile, traced_bytes=full | {ATTN.format("fwd"): (1e12,)})
+
+
+def test_host_latency_and_bf16_softmax_attention():
+    """The latency measured by a zero-kernel entry comes off every memory-bound and
+    attention entry (not the GEMMs) before the fit, and the attention and GEMM entries and
+    the memory-bound total come back as measured; the bf16-softmax attention is the profiled region split as GEMMs + bytes at
+    the region's own bandwidth, charged at the bf16-softmax bytes."""
+    bda = "bias_dropout_add.bwd(s=1024,b=1,h=1024,bias=0)/bfloat16"
+    profile = _profile(_small_profile().solo | {bda: 0.05})
+    norm, swiglu = "rms_norm.fwd(s=1024,b=1,h=1024)/bfloat16", \
+        "swiglu.fwd(s=1024,b=1,f=2048,bias=0)/bfloat16"
+    traced = {norm: (4e7,), swiglu: (1e8,), bda: (0.0, 0.0), ATTN.format("fwd"): (3e7,),
+              ATTN.format("bwd"): (6e7,)}
+    assert zero_kernel_latency_ms(profile, traced) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="error: no profiled operator issues zero kernels"):
+        zero_kernel_latency_ms(profile, traced | {bda: (1e6, 0.0)})
+    core = CoreAttentionTrace(gemm_ms={"fwd": 1.0, "bwd": 2.0},
+                              fp32_softmax_bytes={"fwd": 6e9, "bwd": 8e9},
+                              bf16_softmax_bytes={"fwd": 2e9, "bwd": 9e9})
+    model = fit_kernel_model(profile, traced_bytes=traced, host_latency_ms=0.05,
+                             core_attention=core)
+    # (4e7 + 1e8 + 0) bytes over (0.1 + 0.2 + 2 x 0.05 - 4 x 0.05) ms
+    bandwidth = 1.4e8 / 0.2
+    assert model.bandwidth["elementwise"] == pytest.approx(bandwidth)
+    assert model.host_latency_ms == 0.05
+    for key in (ATTN.format("fwd"), ATTN.format("bwd"),
+                "linear.fwd(m=4096,n=4096,k=4096,bias=0)/bfloat16"):
+        assert model.solo_ms(key) == pytest.approx(profile.solo[key]), key
+    assert model.solo_ms(bda) == pytest.approx(0.05)  # the latency alone
+    memory = (norm, swiglu, bda, bda)
+    assert sum(map(model.solo_ms, memory)) == pytest.approx(
+        sum(profile.solo[k] for k in memory))
+    for phase, ms, nbytes in (("fwd", 10.0, 3e7), ("bwd", 20.0, 6e7)):
+        region = model.attention_ms(4096, 1, 32, 128, causal=True, phase=phase)
+        assert region == pytest.approx(ms - 0.05 - nbytes / bandwidth)
+        gemm, fp32, bf16 = (core.gemm_ms[phase], core.fp32_softmax_bytes[phase],
+                            core.bf16_softmax_bytes[phase])
+        assert model.attention_ms(4096, 1, 32, 128, causal=True, phase=phase,
+                                  kernel="unfused.bf16-softmax") == pytest.approx(
+            gemm + bf16 * (region - gemm) / fp32)
+    with pytest.raises(ValueError, match="error: host_latency_ms=0.3 leaves"):
+        fit_kernel_model(profile, traced_bytes=traced, host_latency_ms=0.3)
+    with pytest.raises(ValueError, match="error: the core attention's fwd GEMMs"):
+        fit_kernel_model(profile, traced_bytes=traced, core_attention=CoreAttentionTrace(
+            gemm_ms={"fwd": 50.0, "bwd": 2.0}, fp32_softmax_bytes=core.fp32_softmax_bytes,
+            bf16_softmax_bytes=core.bf16_softmax_bytes))

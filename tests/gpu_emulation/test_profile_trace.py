@@ -28,14 +28,20 @@ pytestmark = [pytest.mark.slow,  # one gloo rank, ~20 s
 def _trace_and_region(ctx):
     import torch
 
-    from dhelix.gpu_emulation.kernel_model import fit_kernel_model
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dhelix.gpu_emulation.kernel_model import CostKey, fit_kernel_model, nominal_bytes
     from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
-    from dhelix.gpu_emulation.regions import attention_regions
+    from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions
     from profiler.profile_file import load_profile
-    from scripts.gpu_emulation_calibrate import trace_h100_layer
+    from dhelix.gpu_emulation.profile_fit import fit_emulation_model, trace_profile_layer
     from tests.gpu_emulation.test_mode import _gpt_layer
 
-    out = {"traced": trace_h100_layer(ctx, str(H100_PROFILE))}
+    trace = trace_profile_layer(ctx, str(H100_PROFILE))
+    out = {"traced": trace["operators"], "core_attention": trace["core_attention"]}
     model = fit_kernel_model(load_profile(H100_PROFILE), traced_bytes=out["traced"])
     layer = _gpt_layer()  # 8 heads of 64, seq 256, micro-batch 2, causal
     x = torch.randn(256, 2, 512, requires_grad=True)
@@ -52,6 +58,26 @@ def _trace_and_region(ctx):
     with GpuEmulationMode(model, EmulationConfig(time_scale=1e-6)) as after:
         layer(x)[0].sum().backward()
     out["ops_after"] = sorted(after.report().by_op)
+
+    # the step's configuration: bf16 softmax, bf16 norm weights (Float16Module's cast)
+    step_model = fit_emulation_model(load_profile(H100_PROFILE), trace)
+    step_layer = build_module(get_gpt_layer_local_spec(normalization="RMSNorm"),
+                              config=dataclasses.replace(layer.config,
+                                                         attention_softmax_in_fp32=False),
+                              layer_number=1).bfloat16()
+    xb = torch.randn(256, 2, 512, dtype=torch.bfloat16, requires_grad=True)
+    step = GpuEmulationMode(step_model, EmulationConfig(time_scale=1e-6))
+    with attention_regions(step_layer), fused_norm_regions(step_layer), step:
+        step_layer(xb)[0].sum().backward()
+    out["step_terms"] = {k: (v.count, v.modelled_ms) for k, v in step.report().by_term.items()}
+    out["step_ops"] = sorted(step.report().by_op)
+    out["step_expected"] = {
+        **{f"attention.unfused.bf16-softmax.{p}": step_model.attention_ms(
+            256, 2, 8, 64, causal=True, phase=p, kernel="unfused.bf16-softmax")
+           for p in ("fwd", "bwd")},
+        **{f"norm.fused.{p}": step_model.memory_ms(
+            nominal_bytes(CostKey("rms_norm", p, {"s": 512, "b": 1, "h": 512}, "bfloat16")),
+            "norm") for p in ("fwd", "bwd")}}
     return out
 
 
@@ -90,3 +116,16 @@ def test_profile_trace_and_attention_region():
     assert not inside & set(r["ops"]), r["ops"]
     assert "gemm.batched" not in terms and r["absorbed"] > len(inside)
     assert {"_softmax", "_softmax_backward_data", "baddbmm"} <= set(r["ops_after"])
+
+    # the step's configuration: each core attention one bf16-softmax region, each of the
+    # two norms one fused region forward and backward; none of their kernels charged
+    core = r["core_attention"]
+    assert core["bf16"]["fwd"][1] < core["fp32"]["fwd"][1] / 2  # no fp32 s x s copies
+    assert core["fp32"]["fwd"][0] == core["bf16"]["fwd"][0] > 0  # same batched GEMMs
+    step_terms = r["step_terms"]
+    for term, ms in r["step_expected"].items():
+        count, charged = step_terms[term]
+        assert count == (1 if term.startswith("attention") else 2), (term, step_terms)
+        assert charged == pytest.approx(count * ms), term
+    assert not {"attention.unfused.fwd", "attention.unfused.bwd"} & set(step_terms)
+    assert not {"rsqrt", "pow", "_softmax"} & set(r["step_ops"]), r["step_ops"]
