@@ -92,13 +92,17 @@ def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path) -> st
     """Take the DHelix row's profile on the same emulated cluster (same shape, link and
     model) with `dhelix profile`; returns its path, or None (with the reason printed) when
     profiling failed, in which case the DHelix row falls back to the analytic plan."""
+    from dhelix.bench.systems import RUN_ARGS
+
     path = raw_dir / f"{config.name}.profile.json"
     options = QUICK_PROFILE_OPTIONS if ns.quick else []
     command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
                "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
                "--comm-priority", ns.comm_priority,
                "--timeout", str(ns.timeout), "--", "-m", "dhelix", "profile",
-               *model, *config.parallel_args(), *options, "--no-progress", "--overwrite",
+               # the runs' own arguments (dropout 0, vocabulary): the profile must fit them
+               *RUN_ARGS, *model, *config.parallel_args(), *options, "--no-progress",
+               "--overwrite",
                "-o", str(path)]
     print(f"[bench] ({config.name}) profiling on the same cluster ({bandwidth})", flush=True)
     started = time.time()
