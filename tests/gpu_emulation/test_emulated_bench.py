@@ -79,7 +79,12 @@ def test_bench_body_runs_every_system_under_the_emulation():
     trace = run_megatron_ranks(trace_profile_layer, 1, str(H100_PROFILE), timeout_s=300,
                                env=env)[0]
     scale = 200.0
-    emulation = {"profile": str(H100_PROFILE), "trace": trace, "time_scale": scale}
+    # no overlap slowdown: whether a kernel is charged while a real collective is still in
+    # flight depends on the host's timing (a clean-clone CI run under load charged the
+    # sequential path's first step 9% more than Megatron's), so with it the kernel totals
+    # below would not be comparable
+    emulation = {"profile": str(H100_PROFILE), "trace": trace, "time_scale": scale,
+                 "overlap_slowdown": 0.0}
     systems = {"megatron": [], "sequential": ["--dhelix", "--dhelix-pairer", "sequential"],
                "dhelix": ["--dhelix"]}
     args = [*tiny_model(num_layers=2, global_batch_size=4), "--tensor-model-parallel-size",
