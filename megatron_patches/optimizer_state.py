@@ -76,6 +76,8 @@ def restore_adam_steps_after_load(optimizer) -> None:
             for param in group["params"]:
                 state = torch_opt.state.get(param)
                 if state and "step" in state:
+                    # on the CPU on purpose: torch's (non-capturable, non-fused) Adam keeps
+                    # its `step` there, whatever the parameters' device
                     state["step"] = torch.tensor(float(step), dtype=torch.float32,
                                                  device="cpu")
 

@@ -91,6 +91,7 @@ def trace_profile_layer(ctx, profile_path: str) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
+    from dhelix.devices import model_device
     from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
     from dhelix.gpu_emulation.profile_trace import trace_core_attention, trace_operator_bytes
     from dhelix.ops.runner import BoundLayer
@@ -104,8 +105,10 @@ def trace_profile_layer(ctx, profile_path: str) -> dict:
             layers[fp32] = build_module(get_gpt_layer_local_spec(normalization="RMSNorm"),
                                         config=layer_config(shape, 1, fp32), layer_number=1)
         rotary = RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0)(shape.seq)
+        device = model_device(layers[True])  # where the layer was built
         x, dy = (torch.empty(shape.seq, shape.micro_batch, shape.hidden,
-                             dtype=getattr(torch, shape.dtype)) for _ in range(2))
+                             dtype=getattr(torch, shape.dtype), device=device)
+                 for _ in range(2))
     bound = BoundLayer(layers[True], shape.seq, shape.micro_batch, rope=True)
     return {"operators": trace_operator_bytes(bound, x, dy, rotary, model),
             "core_attention": {

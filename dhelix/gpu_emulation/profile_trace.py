@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from dhelix.devices import model_device
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
 from dhelix.gpu_emulation.regions import attention_regions
@@ -84,8 +85,10 @@ def trace_core_attention(core, s: int, b: int, model: KernelTimeModel) -> dict:
 
     heads, groups = core.num_attention_heads_per_partition, core.num_query_groups_per_partition
     d, dtype = core.hidden_size_per_attention_head, core.config.params_dtype
-    q = torch.empty(s, b, heads, d, dtype=dtype, requires_grad=True)
-    k, v = (torch.empty(s, b, groups, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    device = model_device(core)
+    q = torch.empty(s, b, heads, d, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.empty(s, b, groups, d, dtype=dtype, device=device, requires_grad=True)
+            for _ in range(2))
     with GpuEmulationMode(model, _NO_WAIT) as forward:
         out = core(q, k, v, None, attn_mask_type=AttnMaskType.causal)
     with GpuEmulationMode(model, _NO_WAIT) as backward:
