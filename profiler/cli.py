@@ -115,6 +115,9 @@ _RUN_DEFAULTS = (
     (("--eval-interval",), ["--eval-interval", "1"]),  # pretrain() divides by it
     (("--num-workers",), ["--num-workers", "0"]),  # no data-loader processes
     (("--transformer-impl",), ["--transformer-impl", "local"]),  # the spec dhelix binds
+    # the optimizer pretrain() builds needs a learning rate (torch refuses None); the
+    # profiler never steps it
+    (("--lr",), ["--lr", "1e-4"]),
 )
 # the options of a --dhelix training run, which a profile is taken for, not with
 _TRAINING_ONLY = ("dhelix", "dhelix_plan", "dhelix_profile")

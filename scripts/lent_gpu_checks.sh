@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The checks to run on a lent one-GPU machine, in one command (docs/gpu.md):
+#   1. the GPU tests (`-m gpu`: SDPA vs Megatron's attention in bf16, the runtime's parity
+#      with Megatron's schedule on CUDA, the profiler on CUDA);
+#   2. a computation-only profile of one Llama-8B-shaped layer with SDPA attention
+#      (`dhelix profile --comp-only`), the input of the emulated GPU cluster;
+#   3. scripts/bench_gpu.py at 4 Llama-8B-shaped layers (stock local spec, stock SDPA spec,
+#      --dhelix sequential, --dhelix dp).
+# Each step has its own time limit and writes its log under $OUT (the device tool brings it
+# back), so a step that fails or runs long leaves the others' results.
+#
+#   bash scripts/lent_gpu_checks.sh            # on the GPU machine, repository root
+#   QUICK=1 bash scripts/lent_gpu_checks.sh    # tiny model, CPU: the script's own smoke test
+#
+# Needs megatron-core: a wheel under .whl/ (installed into /tmp/site) or already importable.
+set -u
+OUT=${OUT:-/tmp/lent_gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/megatron_core-*.whl || exit 1
+    export PYTHONPATH=/tmp/site:.
+else
+    export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+TESTS_S=${TESTS_S:-200} PROFILE_S=${PROFILE_S:-120} BENCH_S=${BENCH_S:-300}
+REPS=${REPS:-8}
+
+step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, print the exit code
+    local name=$1 limit=$2; shift 2
+    local started=$SECONDS
+    timeout --kill-after 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "[lent_gpu_checks] $name: exit $rc after $((SECONDS - started)) s" | tee -a "$OUT/summary.txt"
+    tail -n 30 "$OUT/$name.log"
+}
+
+$PY -m dhelix env 2>&1 | tee "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/summary.txt"
+
+if [ -n "${QUICK:-}" ]; then
+    MODEL=$($PY -c "from dhelix.bench.systems import tiny_model; print(' '.join(tiny_model(num_layers=2, global_batch_size=4)))")
+    BENCH_MODEL=(--quick)
+else
+    MODEL=$($PY -c "from scripts.bench_gpu import DEFAULT_MODEL; print(' '.join(DEFAULT_MODEL))")
+    BENCH_MODEL=()
+fi
+RUN_ARGS=$($PY -c "from dhelix.bench.systems import RUN_ARGS; print(' '.join(RUN_ARGS))")
+
+if [ -z "${QUICK:-}" ]; then
+    step gpu_tests "$TESTS_S" $PY -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_sdpa_attention.py tests/test_runtime_cuda.py \
+        tests/profiler/test_profile_cuda.py tests/test_megatron_lm_parity.py
+fi
+# shellcheck disable=SC2086 (the argument strings split into words on purpose)
+step profile_sdpa "$PROFILE_S" $PY -m dhelix profile --comp-only --no-progress --overwrite \
+    $RUN_ARGS $MODEL --dhelix-attention sdpa -o "$OUT/llama8b_layer_sdpa_comp_only_profile.json"
+step bench_gpu "$BENCH_S" $PY scripts/bench_gpu.py "${BENCH_MODEL[@]}" --reps "$REPS" \
+    --warmup 2 --json "$OUT/bench_gpu.json"
+cat "$OUT/summary.txt"
