@@ -33,13 +33,17 @@ def _quiet_known_warnings() -> None:
 
 
 def install_plugin() -> None:
-    """Install the CPU shims (on a CPU-only machine) and the training hooks in this process
-    (idempotent; `dhelix train` also parses its arguments with them before launching)."""
+    """Install the CPU shims (on a CPU-only machine), the sequence-parallel torch norm (on
+    every machine where the local spec's norm is torch's) and the training hooks in this
+    process (idempotent; `dhelix train` also parses its arguments with them before
+    launching)."""
+    from megatron_patches.norms import install_sequence_parallel_torch_norm
     from megatron_patches.training_hooks import install_training_hooks
     from megatron_patches.training_shims import apply_training_cpu_shims
 
     _quiet_known_warnings()
     apply_training_cpu_shims()
+    install_sequence_parallel_torch_norm()
     install_training_hooks()
 
 

@@ -7,7 +7,9 @@ partial sums that Megatron all-reduces over the TP group only for parameters tag
 `sequence_parallel=True` (`finalize_model_grads`). Untagged, training runs but the norm
 gradients are wrong (~4e-3 off on the tiny preset). This class builds the same torch module
 and tags its parameters when SP is on; `tests/test_norms_sequence_parallel.py` keeps the
-trap covered. The norm's parameters take the config's `params_dtype`, as every other
+trap covered. `install_sequence_parallel_torch_norm` puts it where megatron-core bound
+`WrappedTorchNorm` (its local spec's norm whenever neither Transformer Engine nor Apex is
+installed: every CPU machine, and a GPU machine without them). The norm's parameters take the config's `params_dtype`, as every other
 parameter of the layer does (`tests/test_norm_dtype.py`).
 """
 
@@ -58,3 +60,18 @@ class SequenceParallelTorchNorm:
                 param.sequence_parallel = True
         return norm
 
+
+
+def install_sequence_parallel_torch_norm() -> None:
+    """Bind `SequenceParallelTorchNorm` wherever megatron-core bound `WrappedTorchNorm` as the
+    local spec's norm (`models.backends`' `WrappedTorchNorm` and `LNImpl`, the GPT layer
+    specs' `LNImpl`, `TransformerBlock`'s `LayerNormImpl`); a name bound to Apex's fused norm
+    is left alone. Idempotent; must run before the model is built."""
+    from megatron.core.models import backends
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+
+    for module, name in ((backends, "WrappedTorchNorm"), (backends, "LNImpl"),
+                         (gpt_layer_specs, "LNImpl"), (transformer_block, "LayerNormImpl")):
+        if getattr(module, name, None) is WrappedTorchNorm:
+            setattr(module, name, SequenceParallelTorchNorm)

@@ -18,20 +18,18 @@ at most once per process. Each shim names the call it replaces and why:
    hook of `megatron_patches.training_hooks` right after parsing).
 4. Memory reporting (`training_log`'s `torch.cuda.memory_stats`, `memory_reserved`,
    `max_memory_reserved`, `mem_get_info`) reads zeros: there is no device memory.
-5. The local layer spec's norm (`WrappedTorchNorm`, chosen by
-   `megatron.core.models.backends.LocalSpecProvider` and by `TransformerBlock` when neither
-   Transformer Engine nor Apex is installed) refuses `--sequence-parallel`; it is replaced by
-   `megatron_patches.norms.SequenceParallelTorchNorm`, the same torch module with its
-   parameters tagged for the sequence-parallel gradient all-reduce (see that module for why
-   building it with SP off and untagged trains silently wrong).
-6. `megatron.training.utils.get_device_arch_version` (imported by name into `arguments`)
+5. `megatron.training.utils.get_device_arch_version` (imported by name into `arguments`)
    reads `torch.cuda.get_device_properties`, which fails without a GPU; `validate_args`
    uses it to demand `CUDA_DEVICE_MAX_CONNECTIONS=1` (a CUDA kernel-scheduling setting) with
    TP > 1 before Blackwell. On CPU it reports 10, an architecture without that demand.
-7. Checkpoints store `torch.cuda.get_rng_state()` and loads call `torch.cuda.set_rng_state`
+6. Checkpoints store `torch.cuda.get_rng_state()` and loads call `torch.cuda.set_rng_state`
    (`checkpointing.get_rng_state` / `load_checkpoint`), which fail without a GPU: the state
    is an empty byte tensor and setting it does nothing (the CPU generator, which draws
    everything on CPU, is saved as `torch_rng_state` beside it).
+
+The local layer spec's norm is not a CPU matter (a GPU without Transformer Engine or Apex
+gets the same `WrappedTorchNorm`): `megatron_patches.norms.install_sequence_parallel_torch_norm`
+replaces it on every machine.
 """
 
 from __future__ import annotations
@@ -82,20 +80,6 @@ def _patch_device_queries() -> None:
     torch.cuda.set_rng_state = lambda new_state, device="cuda": None
 
 
-def _patch_local_norm() -> None:
-    from megatron.core.models import backends
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer import transformer_block
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from megatron_patches.norms import SequenceParallelTorchNorm
-
-    for module, name in ((backends, "WrappedTorchNorm"), (backends, "LNImpl"),
-                         (gpt_layer_specs, "LNImpl"), (transformer_block, "LayerNormImpl")):
-        if getattr(module, name, None) is WrappedTorchNorm:
-            setattr(module, name, SequenceParallelTorchNorm)
-
-
 def apply_training_cpu_shims() -> bool:
     """Install the megatron-core CPU shims and the `megatron.training` ones above when CUDA is
     unavailable; True when they are (now) active, False on a CUDA machine (nothing changed).
@@ -112,6 +96,5 @@ def apply_training_cpu_shims() -> bool:
             return True
         _patch_memory_reporting()
         _patch_device_queries()
-        _patch_local_norm()
         training.initialize_megatron = _allow_no_cuda(training.initialize_megatron)
         return True

@@ -62,17 +62,19 @@ class Row:
     attention: str
 
 
-def rows_for(dhelix_attention: str) -> tuple:
-    """The benchmark's rows; the `--dhelix` rows use `dhelix_attention`."""
+def rows_for(dhelix_attention: str, dhelix_profile: str | None = None) -> tuple:
+    """The benchmark's rows; the `--dhelix` rows use `dhelix_attention`, the dp row plans
+    from `dhelix_profile` when one is given (else from analytic costs)."""
     dhelix = ("--dhelix-attention", dhelix_attention)
+    planned = ("--dhelix-profile", dhelix_profile) if dhelix_profile else ()
     return (
         Row("stock", "stock Megatron, local spec", ("--dhelix-attention", "megatron"),
             "megatron"),
         Row("stock_sdpa", "stock Megatron, SDPA spec", ("--dhelix-attention", "sdpa"), "sdpa"),
         Row("dhelix_sequential", "--dhelix sequential",
             ("--dhelix", "--dhelix-pairer", "sequential", *dhelix), dhelix_attention),
-        Row("dhelix_dp", "--dhelix dp", ("--dhelix", "--dhelix-pairer", "dp", *dhelix),
-            dhelix_attention),
+        Row("dhelix_dp", "--dhelix dp" + (" (profile)" if dhelix_profile else ""),
+            ("--dhelix", "--dhelix-pairer", "dp", *dhelix, *planned), dhelix_attention),
     )
 
 
@@ -117,12 +119,46 @@ def device_name() -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def bench_body(ctx, megatron_args: list, rows: list, reps: int, warmup: int) -> dict:
+def traced_step(run, path: Path) -> tuple:
+    """One training step of `run` under torch.profiler (CPU and, on CUDA, device activity),
+    its Chrome trace written to `path` (gzipped when the name ends in .gz); returns the
+    step's outcome and the trace's `dhelix.bench.gpu_kernels.KernelSummary` as a dict."""
+    import dataclasses
+    import gzip
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dhelix.bench.gpu_kernels import summarise_trace
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        outcome = run.train_step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        text = raw.read_text()
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wt") as out:
+        out.write(text)
+    return outcome, dataclasses.asdict(summarise_trace(json.loads(text)))
+
+
+def bench_body(ctx, megatron_args: list, rows: list, reps: int, warmup: int,
+               trace_dir: str | None = None) -> dict:
     """Every rank: build one run per row (`scripts.bench_dhelix_pp1.build_runs`), then
     `warmup` + `reps` rounds of one training step (Megatron's `train_step`) of every row in
     turn. Returns this rank's per-row step seconds and losses (every round, warm-up
     included: the rows train in lockstep from the same weights), step peak bytes above the
-    resident ones (CUDA; None on CPU), the FLOPs per step and the device. Closes the runs."""
+    resident ones (CUDA; None on CPU), the FLOPs per step and the device. With `trace_dir`,
+    one more round traces each row's step (`traced_step`: TRACE_DIR/ROW.trace.json.gz and
+    the row's kernel summary under "kernels"; not timed with the others). Closes the runs."""
     import torch
     import torch.distributed as dist
 
@@ -148,8 +184,16 @@ def bench_body(ctx, megatron_args: list, rows: list, reps: int, warmup: int) -> 
                 if timer.cuda:
                     step_peak = torch.cuda.max_memory_allocated() - resident
                     peak[name] = max(peak[name] or 0, step_peak)
+    kernels = {}
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        for name, run in runs.items():
+            dist.barrier()
+            outcome, kernels[name] = traced_step(run, Path(trace_dir) / f"{name}.trace.json.gz")
+            losses[name].append(float(outcome.loss_dict["lm loss"]))
     first = next(iter(runs.values())).args
     result = {"rank": ctx.rank, "times": times, "losses": losses, "peak_bytes": peak,
+              "kernels": kernels,
               "timing": timer.kind, "device": device_name(),
               "flops_per_step": megatron_flops_per_step(first),
               "world_size": dist.get_world_size(), "bf16": bool(first.bf16)}
@@ -190,7 +234,7 @@ def summarise(rows: list, results: list) -> dict:
             "step_s_min_median_max": (min(per_rep), median, max(per_rep)),
             "tflops_per_gpu": r0["flops_per_step"] / median / r0["world_size"] / 1e12,
             "peak_bytes": None if None in peaks else max(peaks),
-            "losses": r0["losses"][row.name]})
+            "losses": r0["losses"][row.name], "kernels": r0["kernels"].get(row.name)})
     problems = check_losses(rows, r0["losses"], r0["bf16"])
     return {"device": r0["device"], "timing": r0["timing"], "rows": table,
             "loss_check": problems, "flops_per_step": r0["flops_per_step"]}
@@ -216,7 +260,29 @@ def table(summary: dict, megatron_args: list, reps: int, warmup: int) -> str:
     lines += ["", "Loss check (every row vs the stock row with its attention; SDPA vs "
               "Megatron attention within the cross-kernel tolerance): "
               + ("PASS" if not problems else "FAIL")] + [f"  {p}" for p in problems]
+    traced = [row for row in summary["rows"] if row["kernels"]]
+    if traced:
+        lines += kernel_table(traced)
     return "\n".join(lines)
+
+
+def kernel_table(rows: list) -> list:
+    """One traced step per row (`--trace`): device activity and host synchronisation
+    (`dhelix.bench.gpu_kernels`), then each row's largest kernels."""
+    lines = ["", "One traced step per row (torch.profiler; ms):", "",
+             "| row | kernels | kernel ms | copy ms | GPU busy | span | idle in span | "
+             "streams | host syncs (ms) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "---: | ---: |"]
+    for row in rows:
+        k = row["kernels"]
+        lines.append(f"| {row['label']} | {k['kernels']} | {k['kernel_ms']:.1f} | "
+                     f"{k['copy_ms']:.1f} | {k['busy_ms']:.1f} | {k['span_ms']:.1f} | "
+                     f"{k['span_ms'] - k['busy_ms']:.1f} | {k['streams']} | "
+                     f"{k['host_syncs']} ({k['host_sync_ms']:.1f}) |")
+    for row in (r for r in rows if r["kernels"]["top"]):
+        lines.append(f"\nLargest kernels, {row['label']}: " + "; ".join(
+            f"{name[:60]} x{count} {ms:.1f}" for name, count, ms in row["kernels"]["top"]))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -232,6 +298,13 @@ def main(argv=None) -> int:
                              "stock rows are one of each)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny 2-layer model (CPU smoke test; wall-clock timing there)")
+    parser.add_argument("--dhelix-profile", default=None,
+                        help="profile the dp row plans from (`dhelix profile` of this model "
+                             "on this GPU; default: analytic costs)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="after the measured rounds, trace one step of every row with "
+                             "torch.profiler: DIR/ROW.trace.json.gz and a table of kernels, "
+                             "GPU busy time and host synchronisation")
     parser.add_argument("--json", default=None, help="also write the summary here")
     parser.add_argument("--timeout", type=int, default=1800,
                         help="seconds before the benchmark's process is stopped")
@@ -245,7 +318,7 @@ def main(argv=None) -> int:
     if reps < 1 or warmup < 0:
         print("error: --reps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
-    rows = rows_for(ns.dhelix_rows_attention)
+    rows = rows_for(ns.dhelix_rows_attention, ns.dhelix_profile)
     from dhelix.bench.systems import RUN_ARGS, ArgumentsRefused, parse_megatron_args
     from dhelix.harness import run_on_ranks
 
@@ -255,7 +328,8 @@ def main(argv=None) -> int:
     except ArgumentsRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    results = run_on_ranks(bench_body, 1, model, rows, reps, warmup, timeout_s=ns.timeout)
+    results = run_on_ranks(bench_body, 1, model, rows, reps, warmup, ns.trace,
+                           timeout_s=ns.timeout)
     summary = summarise(rows, results)
     print(table(summary, model, reps, warmup))
     if ns.json:

@@ -5,7 +5,8 @@
 #   2. a computation-only profile of one Llama-8B-shaped layer with SDPA attention
 #      (`dhelix profile --comp-only`), the input of the emulated GPU cluster;
 #   3. scripts/bench_gpu.py at 4 Llama-8B-shaped layers (stock local spec, stock SDPA spec,
-#      --dhelix sequential, --dhelix dp).
+#      --dhelix sequential, --dhelix dp planned from that profile), then one traced step of
+#      each row (kernels, GPU busy time, host synchronisation).
 # Each step has its own time limit and writes its log under $OUT (the device tool brings it
 # back), so a step that fails or runs long leaves the others' results.
 #
@@ -50,13 +51,17 @@ fi
 RUN_ARGS=$($PY -c "from dhelix.bench.systems import RUN_ARGS; print(' '.join(RUN_ARGS))")
 
 if [ -z "${QUICK:-}" ]; then
-    step gpu_tests "$TESTS_S" $PY -m pytest -m gpu -q -p no:cacheprovider \
+    step gpu_tests "$TESTS_S" $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-\
         tests/test_sdpa_attention.py tests/test_runtime_cuda.py \
-        tests/profiler/test_profile_cuda.py tests/test_megatron_lm_parity.py
+        tests/profiler/test_profile_cuda.py tests/test_megatron_lm_parity.py}
 fi
 # shellcheck disable=SC2086 (the argument strings split into words on purpose)
 step profile_sdpa "$PROFILE_S" $PY -m dhelix profile --comp-only --no-progress --overwrite \
-    $RUN_ARGS $MODEL --dhelix-attention sdpa -o "$OUT/llama8b_layer_sdpa_comp_only_profile.json"
+    --no-heatmap $RUN_ARGS $MODEL --dhelix-attention sdpa -o "$OUT/llama8b_layer_sdpa_comp_only_profile.json"
+PROFILE="$OUT/llama8b_layer_sdpa_comp_only_profile.json"
+PLANNED=()
+[ -s "$PROFILE" ] && PLANNED=(--dhelix-profile "$PROFILE")
+# the traces stay on the machine (the table of kernels is in the log)
 step bench_gpu "$BENCH_S" $PY scripts/bench_gpu.py "${BENCH_MODEL[@]}" --reps "$REPS" \
-    --warmup 2 --json "$OUT/bench_gpu.json"
+    --warmup 2 "${PLANNED[@]}" --trace /tmp/lent_gpu_traces --json "$OUT/bench_gpu.json"
 cat "$OUT/summary.txt"

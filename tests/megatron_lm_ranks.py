@@ -90,11 +90,9 @@ def install_recorder() -> None:
     """Wrap the forward/backward function `train()` gets (after the plugin's hook), once."""
     from megatron.training import training
 
-    from megatron_patches.training_hooks import install_training_hooks
-    from megatron_patches.training_shims import apply_training_cpu_shims
+    from dhelix.megatron_lm import install_plugin
 
-    apply_training_cpu_shims()
-    install_training_hooks()
+    install_plugin()
     from dhelix.runtime.layer_runner import LayerRunner
 
     if not getattr(LayerRunner.run_paired, "_dhelix_test_counter", False):

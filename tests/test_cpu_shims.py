@@ -64,3 +64,27 @@ def test_sequence_parallel_norm_is_tagged():
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
                           use_cpu_initialization=True), 8)
     assert not any(getattr(p, "sequence_parallel", False) for p in plain.parameters())
+
+
+def test_local_norm_is_replaced_on_every_machine(monkeypatch):
+    """The sequence-parallel norm is bound wherever megatron-core bound `WrappedTorchNorm`,
+    by `install_plugin` on any machine (a GPU without TE/Apex gets the same norm; on the
+    H100 the CPU-only binding refused `--sequence-parallel`); another norm stays."""
+    from megatron.core.models import backends
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_patches.norms import (SequenceParallelTorchNorm,
+                                        install_sequence_parallel_torch_norm)
+
+    class OtherNorm:  # stands for Apex's fused norm
+        pass
+
+    monkeypatch.setattr(backends, "LNImpl", WrappedTorchNorm)
+    monkeypatch.setattr(gpt_layer_specs, "LNImpl", WrappedTorchNorm)
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", OtherNorm)
+    install_sequence_parallel_torch_norm()
+    assert backends.LNImpl is SequenceParallelTorchNorm
+    assert gpt_layer_specs.LNImpl is SequenceParallelTorchNorm
+    assert transformer_block.LayerNormImpl is OtherNorm
