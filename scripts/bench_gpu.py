@@ -62,19 +62,31 @@ class Row:
     attention: str
 
 
-def rows_for(dhelix_attention: str, dhelix_profile: str | None = None) -> tuple:
+# Every row's data loader builds no [b, 1, s, s] attention mask: SDPA and the --dhelix
+# operators apply the causal mask inside the kernel and never read it, and Megatron's own
+# attention builds its causal mask when it gets none (`FusedScaleMaskSoftmax`). Megatron's
+# default (a 16 MB bool mask per sample at seq 4096, stacked on the host and copied to the
+# GPU every micro-batch) is `--dataloader-mask`.
+NO_DATALOADER_MASK = ("--no-create-attention-mask-in-dataloader",)
+
+
+def rows_for(dhelix_attention: str, dhelix_profile: str | None = None,
+             dataloader_mask: bool = False) -> tuple:
     """The benchmark's rows; the `--dhelix` rows use `dhelix_attention`, the dp row plans
-    from `dhelix_profile` when one is given (else from analytic costs)."""
+    from `dhelix_profile` when one is given (else from analytic costs); every row's data
+    loader builds attention masks only with `dataloader_mask`."""
     dhelix = ("--dhelix-attention", dhelix_attention)
     planned = ("--dhelix-profile", dhelix_profile) if dhelix_profile else ()
+    data = () if dataloader_mask else NO_DATALOADER_MASK
     return (
-        Row("stock", "stock Megatron, local spec", ("--dhelix-attention", "megatron"),
+        Row("stock", "stock Megatron, local spec", ("--dhelix-attention", "megatron", *data),
             "megatron"),
-        Row("stock_sdpa", "stock Megatron, SDPA spec", ("--dhelix-attention", "sdpa"), "sdpa"),
+        Row("stock_sdpa", "stock Megatron, SDPA spec", ("--dhelix-attention", "sdpa", *data),
+            "sdpa"),
         Row("dhelix_sequential", "--dhelix sequential",
-            ("--dhelix", "--dhelix-pairer", "sequential", *dhelix), dhelix_attention),
+            ("--dhelix", "--dhelix-pairer", "sequential", *dhelix, *data), dhelix_attention),
         Row("dhelix_dp", "--dhelix dp" + (" (profile)" if dhelix_profile else ""),
-            ("--dhelix", "--dhelix-pairer", "dp", *dhelix, *planned), dhelix_attention),
+            ("--dhelix", "--dhelix-pairer", "dp", *dhelix, *planned, *data), dhelix_attention),
     )
 
 
@@ -231,6 +243,7 @@ def summarise(rows: list, results: list) -> dict:
         peaks = [r["peak_bytes"][row.name] for r in results]
         table.append({
             "row": row.name, "label": row.label, "attention": row.attention,
+            "args": list(row.args),
             "step_s_min_median_max": (min(per_rep), median, max(per_rep)),
             "tflops_per_gpu": r0["flops_per_step"] / median / r0["world_size"] / 1e12,
             "peak_bytes": None if None in peaks else max(peaks),
@@ -256,6 +269,8 @@ def table(summary: dict, megatron_args: list, reps: int, warmup: int) -> str:
                      f"{high:.1f} | {row['tflops_per_gpu']:.3g} | "
                      f"{_fmt(peak and peak / 2**20, '{:.0f}', 'n/a (CPU)')} | "
                      + ", ".join(f"{x:.6f}" for x in row["losses"]) + " |")
+    lines += ["", "Row arguments (after the model's): " + "; ".join(
+        f"{row['label']}: {' '.join(row['args'])}" for row in summary["rows"])]
     problems = summary["loss_check"]
     lines += ["", "Loss check (every row vs the stock row with its attention; SDPA vs "
               "Megatron attention within the cross-kernel tolerance): "
@@ -301,6 +316,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dhelix-profile", default=None,
                         help="profile the dp row plans from (`dhelix profile` of this model "
                              "on this GPU; default: analytic costs)")
+    parser.add_argument("--dataloader-mask", action="store_true",
+                        help="let the data loader build Megatron's [b, 1, s, s] attention "
+                             "mask for every row (Megatron's default; by default no row "
+                             "builds it: none reads it)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="after the measured rounds, trace one step of every row with "
                              "torch.profiler: DIR/ROW.trace.json.gz and a table of kernels, "
@@ -318,7 +337,7 @@ def main(argv=None) -> int:
     if reps < 1 or warmup < 0:
         print("error: --reps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
-    rows = rows_for(ns.dhelix_rows_attention, ns.dhelix_profile)
+    rows = rows_for(ns.dhelix_rows_attention, ns.dhelix_profile, ns.dataloader_mask)
     from dhelix.bench.systems import RUN_ARGS, ArgumentsRefused, parse_megatron_args
     from dhelix.harness import run_on_ranks
 

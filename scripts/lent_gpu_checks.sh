@@ -12,6 +12,8 @@
 #
 #   bash scripts/lent_gpu_checks.sh            # on the GPU machine, repository root
 #   QUICK=1 bash scripts/lent_gpu_checks.sh    # tiny model, CPU: the script's own smoke test
+#   STEPS=bench PROFILE=configs/profiles/h100_llama8b_layer_sdpa_comp_only.json \
+#       bash scripts/lent_gpu_checks.sh        # the benchmark alone, planned from a profile
 #
 # Needs megatron-core: a wheel under .whl/ (installed into /tmp/site) or already importable.
 set -u
@@ -50,18 +52,23 @@ else
 fi
 RUN_ARGS=$($PY -c "from dhelix.bench.systems import RUN_ARGS; print(' '.join(RUN_ARGS))")
 
-if [ -z "${QUICK:-}" ]; then
+STEPS=${STEPS:-tests profile bench}
+if [ -z "${QUICK:-}" ] && [[ " $STEPS " == *" tests "* ]]; then
     step gpu_tests "$TESTS_S" $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-\
         tests/test_sdpa_attention.py tests/test_runtime_cuda.py \
         tests/profiler/test_profile_cuda.py tests/test_megatron_lm_parity.py}
 fi
+PROFILE=${PROFILE:-$OUT/llama8b_layer_sdpa_comp_only_profile.json}
 # shellcheck disable=SC2086 (the argument strings split into words on purpose)
-step profile_sdpa "$PROFILE_S" $PY -m dhelix profile --comp-only --no-progress --overwrite \
-    --no-heatmap $RUN_ARGS $MODEL --dhelix-attention sdpa -o "$OUT/llama8b_layer_sdpa_comp_only_profile.json"
-PROFILE="$OUT/llama8b_layer_sdpa_comp_only_profile.json"
+[[ " $STEPS " == *" profile "* ]] && step profile_sdpa "$PROFILE_S" $PY -m dhelix profile --comp-only --no-progress --overwrite \
+    --no-heatmap $RUN_ARGS $MODEL --dhelix-attention sdpa -o "$PROFILE"
 PLANNED=()
 [ -s "$PROFILE" ] && PLANNED=(--dhelix-profile "$PROFILE")
-# the traces stay on the machine (the table of kernels is in the log)
-step bench_gpu "$BENCH_S" $PY scripts/bench_gpu.py "${BENCH_MODEL[@]}" --reps "$REPS" \
+# the traces stay on the machine (the table of kernels is in the log) but two
+[[ " $STEPS " == *" bench "* ]] && step bench_gpu "$BENCH_S" $PY scripts/bench_gpu.py "${BENCH_MODEL[@]}" --reps "$REPS" \
     --warmup 2 "${PLANNED[@]}" --trace /tmp/lent_gpu_traces --json "$OUT/bench_gpu.json"
+for row in stock_sdpa dhelix_sequential; do
+    trace=/tmp/lent_gpu_traces/$row.trace.json.gz
+    [ -f "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ] && cp "$trace" "$OUT/"
+done
 cat "$OUT/summary.txt"

@@ -239,3 +239,23 @@ def test_sdpa_attention_refuses_stock_runs_it_cannot_honour(extra, named, monkey
     line = _one_line(extra + ["--dhelix-attention", "sdpa"], monkeypatch)
     assert line.startswith("error: --dhelix-attention sdpa") and named in line, line
     assert _parse(TINY + ["--train-iters", "1"] + extra)[0] is None  # Megatron's own takes it
+
+
+def test_dhelix_runs_build_no_unread_attention_masks(monkeypatch, capsys):
+    """With --dhelix the data loader builds no attention mask (the DHelix layers never read
+    it; building it left an H100 idle between micro-batches), said in one line on rank 0;
+    stock runs keep Megatron's default."""
+    from megatron.training import arguments
+
+    from megatron_patches.training_hooks import install_training_hooks
+
+    install_training_hooks()
+    monkeypatch.setenv("RANK", "0")
+    masks = {}
+    for label, extra in (("stock", []), ("dhelix", ["--dhelix"])):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, "--train-iters", "1",
+                                          *extra])
+        masks[label] = arguments.parse_args().create_attention_mask_in_dataloader
+        out = capsys.readouterr().out
+        assert ("--no-create-attention-mask-in-dataloader" in out) == (label == "dhelix"), out
+    assert masks == {"stock": True, "dhelix": False}

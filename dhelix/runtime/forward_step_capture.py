@@ -9,7 +9,10 @@ output unchanged. `loss_mask` is accepted and not used (GPTModel reads it only f
 multi-token prediction, which `--dhelix` refuses). The attention mask must be None or the
 plain causal mask a Megatron dataloader builds (`[b, 1, s, s]`, True above the diagonal):
 the DHelix layers apply the implicit causal mask, so any other mask is refused, never
-silently ignored.
+silently ignored: a mask of another shape at once, a mask of the causal shape with other
+values by `CausalMaskCheck.verify` once the pass's micro-batches ran (comparing values on
+the mask's device per micro-batch and reading them there would stop the host once per
+micro-batch and leave a GPU idle while it refills its queue: measured on an H100).
 """
 
 from __future__ import annotations
@@ -39,26 +42,55 @@ class CapturedStep:
     loss_func: object
 
 
-def _check_causal_mask(mask) -> None:
-    if mask is None:
-        return
-    seq = mask.shape[-1]
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=mask.device), diagonal=1)
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2] != seq or not bool(
-            (mask.bool() == causal).all()):
-        raise ForwardStepError(
-            "with --dhelix only the causal attention mask is supported (the model got "
-            f"another mask of shape {tuple(mask.shape)}, e.g. from --reset-attention-mask); "
-            "drop the option that makes it")
+class CausalMaskCheck:
+    """Checks that every attention mask a forward/backward pass's forward steps gave the
+    model is None or the plain causal mask, with one host-device synchronisation per pass
+    instead of one per micro-batch. `submit` refuses a mask of another shape at once and
+    queues an on-device comparison of its values (no synchronisation; the causal reference
+    is built once per sequence length and device and kept); `verify` reads the queued
+    comparisons together and raises ForwardStepError if any mask differed, then forgets
+    them. The schedule engine calls `verify` at the end of each pass, before Megatron's
+    optimizer step, so a wrong mask never reaches the weights."""
+
+    def __init__(self):
+        self._causal: dict = {}
+        self._pending: list = []
+        self._shape: tuple | None = None
+
+    def submit(self, mask) -> None:
+        if mask is None:
+            return
+        seq = mask.shape[-1]
+        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2] != seq:
+            raise _mask_error(mask.shape)
+        key = (seq, mask.device)
+        if key not in self._causal:
+            self._causal[key] = torch.triu(
+                torch.ones(seq, seq, dtype=torch.bool, device=mask.device), diagonal=1)
+        self._pending.append((mask.bool() == self._causal[key]).all())
+        self._shape = tuple(mask.shape)
+
+    def verify(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not bool(torch.stack(pending).all()):
+            raise _mask_error(self._shape)
+
+
+def _mask_error(shape) -> "ForwardStepError":
+    return ForwardStepError(
+        "with --dhelix only the causal attention mask is supported (the model got "
+        f"another mask of shape {tuple(shape)}, e.g. from --reset-attention-mask); "
+        "drop the option that makes it")
 
 
 class _CapturingModel:
     """Stands in for the model while `forward_step_func` runs: records the call's
     arguments and returns a placeholder; attribute access reaches the real model."""
 
-    def __init__(self, model, require_labels: bool):
+    def __init__(self, model, require_labels: bool, mask_check: CausalMaskCheck):
         self._model = model
         self._require_labels = require_labels
+        self._mask_check = mask_check
         self.calls: list[tuple] = []
 
     def __getattr__(self, name):
@@ -74,18 +106,19 @@ class _CapturingModel:
                 f"attention_mask, labels=labels); got extra arguments {extra or args}")
         if labels is None and self._require_labels:
             raise ForwardStepError("with --dhelix forward_step_func must pass labels (training)")
-        _check_causal_mask(attention_mask)
+        self._mask_check.submit(attention_mask)
         self.calls.append((input_ids, position_ids, labels))
         return _ModelOutputPlaceholder()
 
 
-def capture_forward_step(forward_step_func, data_iterator, model,
+def capture_forward_step(forward_step_func, data_iterator, model, mask_check: CausalMaskCheck,
                          require_labels: bool = True) -> CapturedStep:
     """Call `forward_step_func(data_iterator, stand-in for model)` once (so the data
     iterator advances exactly as under Megatron's schedules) and return what it gave the
-    model and its loss function. Raises ForwardStepError when the forward step does not
-    follow the supported pattern (module docstring)."""
-    capture = _CapturingModel(model, require_labels)
+    model and its loss function; the attention mask goes to `mask_check` (whose `verify`
+    the caller owes before the pass's results are used). Raises ForwardStepError when the
+    forward step does not follow the supported pattern (module docstring)."""
+    capture = _CapturingModel(model, require_labels, mask_check)
     result = forward_step_func(data_iterator, capture)
     if not (isinstance(result, tuple) and len(result) == 2
             and isinstance(result[0], _ModelOutputPlaceholder) and len(capture.calls) == 1):

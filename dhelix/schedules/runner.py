@@ -44,7 +44,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
-from dhelix.runtime.forward_step_capture import capture_forward_step
+from dhelix.runtime.forward_step_capture import CausalMaskCheck, capture_forward_step
 from dhelix.schedules.actions import FORWARD, Schedule
 from dhelix.schedules.executor import AutogradPasses, StageExecutor
 from dhelix.schedules.sequential import build_forward_only_schedule
@@ -155,6 +155,7 @@ class ScheduleEngine:
         self.losses_to_last_stage = losses_to_last_stage
         self.last_step: ExecutedStep | None = None
         self._schedules: dict = {}
+        self._mask_check = CausalMaskCheck()
 
     def for_megatron(self, args) -> "ScheduleEngine":
         """The same engine for `megatron.training`'s `train()`/`evaluate()`: `args`' data
@@ -179,7 +180,7 @@ class ScheduleEngine:
                 else contextlib.nullcontext())
         with view:
             step = capture_forward_step(forward_step_func, data_iterator, model,
-                                        require_labels=require_labels)
+                                        self._mask_check, require_labels=require_labels)
         return {"tokens": step.input_ids, "position_ids": step.position_ids,
                 "labels": step.labels, "loss_func": step.loss_func}
 
@@ -232,6 +233,7 @@ class ScheduleEngine:
         if not forward_only and config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
                 [chunk], loss.total_tokens if config.calculate_per_token_loss else None)
+        self._mask_check.verify()  # before Megatron's optimizer step reads the gradients
         if folded and self.losses_to_last_stage:
             return relay_losses_to_last_stage(losses, device)
         return losses
