@@ -1,5 +1,6 @@
 """Megatron's parsed arguments adapted to the machine a run starts on (megatron-core 0.19.2
-tested): the one place that decides which of Megatron's defaults this machine cannot honour.
+tested): the one place that decides which of Megatron's defaults this machine cannot honour,
+and which launches it cannot run at all.
 
 Called by the argument hook of `megatron_patches.training_hooks` right after parsing, before
 Megatron validates anything and before any process group exists, for every run through
@@ -24,9 +25,16 @@ line naming each (setting and why). The conditions, read off megatron-core 0.19.
 - local spec without Apex's fused softmax kernels: `--no-masked-softmax-fusion`
   (`FusedScaleMaskSoftmax` imports `scaled_upper_triang_masked_softmax_cuda` at the first
   fp16/bf16 forward and fails there).
-- more ranks on this node than GPUs: `--distributed-backend gloo` and each rank's device
-  `cuda:(local rank mod GPUs)` (Megatron calls `torch.cuda.set_device(local_rank)`, and
-  NCCL refuses two ranks on one device; gloo moves CUDA tensors through the host).
+
+Refused (`MachineRefused`, one `error:` line from the argument hook, exit code 2): more
+ranks on this node than GPUs, whatever `--distributed-backend` says. NCCL refuses two ranks
+on one GPU, and gloo cannot carry Megatron's gradient all-reduce of CUDA tensors: measured
+on one H100 (torch 2.11, megatron-core 0.19.2), 4 ranks of stock Megatron on one GPU over
+gloo (TP2 + SP x DP2) failed in the first step's gradient sync,
+`param_and_grad_buffer.start_grad_sync` -> `torch.distributed._coalescing_manager` ->
+`allreduce_coalesced`: "RuntimeError: ProcessGroupGloo::allreduce_coalesced: unsupported
+device type cuda". (This module used to run such ranks over gloo on
+`cuda:(local rank mod GPUs)`; that is the run that failed.)
 
 Not adapted: `CUDA_DEVICE_MAX_CONNECTIONS=1`, which Megatron's `validate_args` demands with
 TP or CP > 1 before Blackwell, is an environment variable CUDA reads when it creates its
@@ -53,8 +61,8 @@ CUDA_FUSIONS = {"gradient_accumulation_fusion": "--no-gradient-accumulation-fusi
 
 @dataclass(frozen=True)
 class Machine:
-    """What the adaptations depend on. `local_ranks`: the ranks torchrun started on this
-    node (LOCAL_WORLD_SIZE)."""
+    """What the adaptations and the refusal depend on. `local_ranks`: the ranks torchrun
+    started on this node (LOCAL_WORLD_SIZE)."""
 
     cuda: bool
     gpus: int
@@ -83,6 +91,24 @@ class Machine:
             apex_fused_layer_norm=has_apex_fused_layer_norm(),
             fused_wgrad_kernel=importable(FUSED_WGRAD_EXTENSION),
             fused_softmax_kernels=all(importable(m) for m in FUSED_SOFTMAX_EXTENSIONS))
+
+
+class MachineRefused(ValueError):
+    """This machine cannot run the launch whatever its arguments; the message is the one
+    line that says what to do instead."""
+
+
+def check_machine(machine: Machine) -> None:
+    """Raises `MachineRefused` when more ranks were started on this node than it has GPUs
+    (CUDA visible; without CUDA the ranks run on the CPU over gloo): neither NCCL nor gloo
+    can run Megatron's training step for them (module docstring). Returns otherwise."""
+    if machine.cuda and machine.local_ranks > machine.gpus:
+        raise MachineRefused(
+            f"more ranks on this node ({machine.local_ranks}) than GPUs ({machine.gpus}): "
+            "NCCL refuses two ranks on one GPU and gloo cannot carry Megatron's gradient "
+            f"all-reduce of CUDA tensors; start at most {machine.gpus} rank(s) per node "
+            f"(torchrun --nproc-per-node {machine.gpus}), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to train on the CPU")
 
 
 @dataclass(frozen=True)
@@ -121,18 +147,11 @@ def adapt_arguments(args, machine: Machine) -> tuple[Adaptation, ...]:
     """Change Megatron's parsed `args` in place where `machine` cannot honour them (the
     module docstring lists each condition) and return what changed, in order. Changes
     nothing a run can honour: on a machine with Transformer Engine and Apex and a GPU per
-    rank, returns ()."""
+    rank, returns (). Does not check the machine itself (`check_machine` does)."""
     done: list[Adaptation] = []
     if not machine.cuda and args.distributed_backend == "nccl":
         args.distributed_backend = "gloo"
         done.append(Adaptation("--distributed-backend gloo", "no CUDA"))
-    elif machine.cuda and machine.local_ranks > machine.gpus:
-        args.local_rank %= machine.gpus
-        args.distributed_backend = "gloo"
-        done.append(Adaptation(
-            f"--distributed-backend gloo, rank devices cuda:(local rank mod {machine.gpus})",
-            f"{machine.local_ranks} ranks on {machine.gpus} GPU(s): NCCL refuses two ranks "
-            "on one device"))
     if args.transformer_impl == "transformer_engine" and not machine.transformer_engine:
         args.transformer_impl = "local"
         done.append(Adaptation("--transformer-impl local",
@@ -162,8 +181,11 @@ def adaptations_line(adaptations: tuple[Adaptation, ...]) -> str:
 
 
 def adapt_to_this_machine(args) -> tuple[Adaptation, ...]:
-    """`adapt_arguments` for this process's machine; rank 0 (`args.rank`) prints the line."""
-    adaptations = adapt_arguments(args, Machine.probe())
+    """`check_machine`, then `adapt_arguments`, for this process's machine; rank 0
+    (`args.rank`) prints the line. Raises `MachineRefused` before changing `args`."""
+    machine = Machine.probe()
+    check_machine(machine)
+    adaptations = adapt_arguments(args, machine)
     if adaptations and args.rank == 0:
         print(adaptations_line(adaptations), flush=True)
     return adaptations

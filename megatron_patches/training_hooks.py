@@ -8,7 +8,8 @@
    (`megatron_patches.argument_errors`). Every run (with or without `--dhelix`) first gets
    the adaptations its machine needs (`megatron_patches.machine_arguments`: gloo and no CUDA
    kernel fusions on CPU; on a GPU without Transformer Engine or Apex, the local spec and no
-   fusions their kernels provide; gloo when ranks share a GPU), named in one line on rank 0.
+   fusions their kernels provide), named in one line on rank 0; more ranks on a node than
+   GPUs stop the run with one `error: ...` line (neither NCCL nor gloo can train them).
    Right after parsing, before Megatron validates anything and before any process group
    exists, the arguments are checked (`dhelix.megatron_lm_checks.check_plugin_args`): an
    argument the DHelix runtime cannot honour, a `--dhelix-plan`/`--dhelix-profile` file that
@@ -65,7 +66,7 @@ from datetime import timedelta
 
 from dhelix.dhelix_arguments import add_dhelix_runtime_args
 from megatron_patches.argument_errors import one_line_parser_errors
-from megatron_patches.machine_arguments import adapt_to_this_machine
+from megatron_patches.machine_arguments import MachineRefused, adapt_to_this_machine
 
 
 def _with_dhelix_args(extra_args_provider):
@@ -85,7 +86,10 @@ def _hook_parse_args(arguments) -> None:
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         args = original(_with_dhelix_args(extra_args_provider), ignore_unknown_args)
-        adapt_to_this_machine(args)
+        try:
+            adapt_to_this_machine(args)
+        except MachineRefused as exc:
+            _fail(str(exc))
         _check_attention(args)
         from dhelix.megatron_lm_checks import UnsupportedArgument, check_plugin_args
 

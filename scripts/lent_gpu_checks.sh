@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks to run on a lent one-GPU machine, in one command (docs/gpu.md):
 #   1. the GPU tests (`-m gpu`: SDPA vs Megatron's attention in bf16, the runtime's parity
-#      with Megatron's schedule on CUDA, the profiler on CUDA);
+#      with Megatron's schedule on CUDA, the profiler on CUDA; the plugin's 4-rank parity
+#      cases need 4 GPUs and skip on fewer);
 #   2. a computation-only profile of one Llama-8B-shaped layer with SDPA attention
 #      (`dhelix profile --comp-only`), the input of the emulated GPU cluster;
 #   3. scripts/bench_gpu.py at 4 Llama-8B-shaped layers (stock local spec, stock SDPA spec,

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "pretrain_gpt.py")
+RANKS = 4  # the parity launch's ranks (`launch_parity`): on CUDA, one GPU each
 # The tiny preset (configs/tiny.json) as Megatron arguments, dropout off (--dhelix needs it).
 TINY = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
         "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "1024",
@@ -25,8 +26,8 @@ class _Recorder:
     gradients after the schedule (both layout-independent, `dhelix.parity`), and the global
     batch's mean token loss (only rank 0 keeps them); per evaluation call (forward only) its
     mean token loss (rank 0); the layer pairs this rank co-executed
-    (`LayerRunner.run_paired`: the DHelix SI path really ran); and the device types this
-    rank's model was on."""
+    (`LayerRunner.run_paired`: the DHelix SI path really ran); and the devices this rank's
+    model was on ("cpu", "cuda:1", ...)."""
 
     steps: list = []
     evals: list = []
@@ -72,7 +73,7 @@ def _recording(get_forward_backward_func):
                 return losses
             _Recorder.attention |= {type(m.core_attention).__name__ for chunk in step["model"]
                                     for m in chunk.modules() if hasattr(m, "core_attention")}
-            _Recorder.devices.add(model_device(step["model"]).type)
+            _Recorder.devices.add(str(model_device(step["model"])))
             params = gather_full_tensors(step["model"], "param")
             losses = forward_backward(**step)
             grads = gather_full_tensors(step["model"], "grad")
@@ -137,7 +138,9 @@ def compare_runs(stock: list, dhelix: list) -> dict:
 
 def parity_env(device: str) -> dict:
     """The ranks' environment for `parity_body` on `device` ("cpu": CUDA hidden, so a GPU
-    machine runs the CPU path too; "cuda": the ranks share the visible GPUs, and Megatron's
+    machine runs the CPU path too; "cuda": the visible GPUs, one per rank: `run_on_ranks`
+    sets LOCAL_RANK=rank and Megatron calls `torch.cuda.set_device(args.local_rank)`, so
+    rank r runs on cuda:r (the plugin refuses fewer GPUs than ranks); Megatron's
     `validate_args` demands CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 before Blackwell)."""
     if device == "cpu":
         return {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -149,7 +152,8 @@ def parity_body(ctx, cases: dict, train_iters: int) -> dict:
     command line with --dhelix, and compare them step by step, and their evaluation losses
     call by call (rank 0 returns the report, with the core-attention classes each run's
     model used). Run with `parity_env(DEVICE)`. Per case the report also holds "devices",
-    the device types every rank's model was on in both runs, and "host_tensors", every
+    the device types every rank's model was on in both runs, "rank_devices", per rank the
+    devices its model was on in both runs ({"cuda:1"}), and "host_tensors", every
     device-less tensor factory call the --dhelix run made from dhelix/ or megatron_patches/
     on any rank (`tests.device_watch`: on a GPU each would be a CPU tensor next to the
     model)."""
@@ -169,7 +173,8 @@ def parity_body(ctx, cases: dict, train_iters: int) -> dict:
                                        sorted(watch.found)))
         if ctx.rank == 0:
             report[name] = {**compare_runs(stock, dhelix), "pairs": [f[0] for f in found],
-                            "devices": set().union(*(f[1] for f in found)),
+                            "devices": {d.split(":")[0] for f in found for d in f[1]},
+                            "rank_devices": [f[1] for f in found],
                             "host_tensors": sorted(set().union(*(f[2] for f in found))),
                             "attention": (stock_attention, sorted(_Recorder.attention)),
                             "evals": (len(stock_evals), len(_Recorder.evals)),
@@ -180,12 +185,13 @@ def parity_body(ctx, cases: dict, train_iters: int) -> dict:
 
 def launch_parity(cases: dict, train_iters: int, timeout_s: int = 600,
                   env: dict | None = None) -> dict:
-    """`parity_body` on 4 ranks (hard timeout; `env` defaults to one OpenMP thread per CPU
-    rank); prints every case's rows and evaluation differences (pytest -s)."""
+    """`parity_body` on `RANKS` ranks (hard timeout; `env` defaults to one OpenMP thread per
+    CPU rank); prints every case's rows and evaluation differences (pytest -s)."""
     from dhelix.harness import run_on_ranks
 
     env = {"OMP_NUM_THREADS": "1"} if env is None else env
-    result = run_on_ranks(parity_body, 4, cases, train_iters, timeout_s=timeout_s, env=env)[0]
+    result = run_on_ranks(parity_body, RANKS, cases, train_iters, timeout_s=timeout_s,
+                          env=env)[0]
     for name, case in result.items():
         for i, row in enumerate(case["rows"]):
             print(f"{name} step {i + 1}: loss {row['loss']:.6f} diff {row['loss_diff']:.1e}, "

@@ -2,7 +2,8 @@
 through the plugin's own hook on Megatron's real `parse_args`, with CUDA and the optional
 packages (Transformer Engine, NVIDIA Apex and its CUDA extensions) faked present or
 missing: each machine gets exactly the adaptations its missing parts require, and rank 0
-prints one line naming them."""
+prints one line naming them; more ranks on a node than GPUs are refused in one `error:`
+line before any process group exists."""
 
 import sys
 
@@ -95,18 +96,40 @@ def test_cpu_gets_gloo_and_every_fusion_off(parse_args, monkeypatch, capsys):
     assert (args.distributed_backend, args.transformer_impl) == ("gloo", "local")
 
 
-def test_ranks_sharing_a_gpu_use_gloo_and_device_zero(parse_args, monkeypatch, capsys):
-    """Rank 1 of 2 on one GPU: gloo, device cuda:0; only rank 0 prints the line."""
-    args = _parse(parse_args, monkeypatch, gpus=1, installed=(TE, *APEX), ranks=2, rank=1)
-    assert (args.distributed_backend, args.local_rank) == ("gloo", 0)
-    assert _line(capsys) == []
-    _parse(parse_args, monkeypatch, gpus=1, installed=(TE, *APEX), ranks=2, rank=0)
-    assert _line(capsys) == [
-        "dhelix: adapted to this machine: --distributed-backend gloo, rank devices "
-        "cuda:(local rank mod 1) (2 ranks on 1 GPU(s): NCCL refuses two ranks on one "
-        "device)"]
+REFUSAL = ("error: more ranks on this node (4) than GPUs (1): NCCL refuses two ranks on one "
+           "GPU and gloo cannot carry Megatron's gradient all-reduce of CUDA tensors; start "
+           "at most 1 rank(s) per node (torchrun --nproc-per-node 1), or hide the GPUs "
+           "(CUDA_VISIBLE_DEVICES=) to train on the CPU")
+
+
+@pytest.mark.parametrize("backend", [[], ["--distributed-backend", "gloo"]],
+                         ids=["nccl", "gloo"])
+def test_more_ranks_than_gpus_is_refused_in_one_line(parse_args, monkeypatch, capsys,
+                                                     backend):
+    """4 ranks on 1 GPU stop in the argument hook (exit code 2, no process group), with
+    either backend: rank 0 prints the one `error:` line, the other ranks stop silently."""
+    for name in ("DHELIX_ERROR_FILE", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for rank, expected in ((0, [REFUSAL]), (3, [])):
+        with pytest.raises(SystemExit) as stopped:
+            _parse(parse_args, monkeypatch, gpus=1, installed=(TE, *APEX), ranks=4,
+                   rank=rank, argv=ARGV + backend)
+        assert stopped.value.code == 2
+        out, err = capsys.readouterr()
+        assert [l for l in err.splitlines() if l.startswith("error:")] == expected
+        assert "dhelix: adapted" not in out
+        assert not torch.distributed.is_initialized()
+
+
+def test_ranks_without_cuda_are_not_refused(parse_args, monkeypatch):
+    """Without CUDA (e.g. CUDA_VISIBLE_DEVICES=) the same 4 ranks parse, over gloo."""
+    args = _parse(parse_args, monkeypatch, gpus=0, ranks=4, rank=3)
+    assert args.distributed_backend == "gloo"
 
 
 def test_a_gpu_per_rank_keeps_nccl(parse_args, monkeypatch, capsys):
+    """2 ranks on 2 GPUs: nothing to adapt, rank 1 keeps its own device cuda:1 (Megatron
+    calls `torch.cuda.set_device(args.local_rank)`)."""
     args = _parse(parse_args, monkeypatch, gpus=2, installed=(TE, *APEX), ranks=2, rank=1)
     assert (args.distributed_backend, args.local_rank) == ("nccl", 1)
+    assert _line(capsys) == []

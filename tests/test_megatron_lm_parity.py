@@ -37,13 +37,15 @@ and main params), in the same launch:
 
 The same launch watches the --dhelix runs for tensors the plugin creates without a device
 (`tests.device_watch`): each would be a CPU tensor next to a CUDA model. On CUDA (marked
-`gpu`, skipped without it) the 4 ranks share the visible GPU(s) over gloo (the plugin's
-machine adaptations) for TP2 + SP, TP2 x PP2 and the bf16 cases."""
+`gpu`; skipped with fewer than 4 GPUs) the 4 ranks run one per GPU (rank r on cuda:r, over
+NCCL) for TP2 + SP, TP2 x PP2 and the bf16 cases. Fewer GPUs cannot host them: the plugin
+refuses more ranks on a node than GPUs (`megatron_patches.machine_arguments`: NCCL refuses
+two ranks on one GPU, and gloo cannot all-reduce Megatron's CUDA gradients)."""
 
 import pytest
 import torch
 
-from tests.megatron_lm_ranks import assert_parity, launch_parity, parity_env
+from tests.megatron_lm_ranks import RANKS, assert_parity, launch_parity, parity_env
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
@@ -86,8 +88,8 @@ def report():
 
 @pytest.fixture(scope="module")
 def cuda_report():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < RANKS:
+        pytest.skip(f"needs {RANKS} GPUs (one per rank)")
     return launch_parity({n: CASES[n] for n in CUDA_CASES}, STEPS, timeout_s=900,
                          env=parity_env("cuda"))
 
@@ -159,7 +161,9 @@ def test_dhelix_creates_no_tensor_off_the_model_device(report, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", CUDA_CASES)
-def test_dhelix_matches_megatron_on_cuda_ranks_sharing_a_gpu(cuda_report, name):
-    """On CUDA the bf16 cases keep their CPU bounds (exact, or the clipped bound): untested
-    on a GPU so far; GPU kernels may not be run-to-run deterministic."""
+def test_dhelix_matches_megatron_on_cuda_one_rank_per_gpu(cuda_report, name):
+    """4 ranks on 4 GPUs (rank r on cuda:r, NCCL). On CUDA the bf16 cases keep their CPU
+    bounds (exact, or the clipped bound): untested on a GPU so far; GPU kernels may not be
+    run-to-run deterministic."""
+    assert cuda_report[name]["rank_devices"] == [{f"cuda:{r}"} for r in range(RANKS)]
     _check(cuda_report[name], name, "cuda")
