@@ -9,7 +9,7 @@ once per process. Each shim names the Megatron call it replaces and why:
    the schedules' token counters, clip-grad norm, the sequence-parallel all-gather in
    `LinearWithGradAccumulationAndAsyncCommunication.backward`). The torch factory functions
    Megatron calls with a device (`torch.empty`, `zeros`, `ones`, `full`, `tensor`, `arange`,
-   `rand*`, `*_like`, ...) and `Tensor.to` are wrapped to map any CUDA device (a bare int
+   `rand*`, `*_like`, ...), the `Tensor.new_*` methods and `Tensor.to` are wrapped to map any CUDA device (a bare int
    ordinal, 'cuda', 'cuda:N', torch.device('cuda')) to CPU. Wrapping the module attributes,
    rather than a TorchFunctionMode, also covers autograd backward functions (a mode is
    popped while its own handler runs `torch.autograd.backward`) and every thread.
@@ -29,6 +29,12 @@ once per process. Each shim names the Megatron call it replaces and why:
 4. Allocator (`megatron_patches.cpu_allocator`): CUDA's caching allocator keeps freed
    blocks; glibc gives them back to the kernel and re-faults their pages on the next step,
    at a cost that depends on the order tensors are freed in. glibc is told to keep them.
+
+5. MoE split sizes (`megatron_patches.cpu_shims._patch_moe_split_sizes`): the all-to-all
+   token dispatcher hands `all_to_all_single` its split sizes through
+   `moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA
+   tensors; a CPU tensor stays a tensor, and torch's binding refuses it as a list of sizes.
+   On CPU the same function returns the numpy array the CUDA path returns.
 
 The sequence-parallel LayerNorm trap is handled where the model is built
 (`megatron_patches.norms`), not here, because it is a model-spec choice.
@@ -70,6 +76,10 @@ _FACTORY_FUNCTIONS = (
     "rand", "randn", "randint", "randperm", "empty_like", "zeros_like", "ones_like",
     "full_like", "rand_like", "randn_like", "empty_strided",
 )
+# Tensor methods that make a tensor with an optional device (megatron-core's MoE all-to-all,
+# `tensor_parallel.mappings._AllToAll`, calls `input.new_empty(..., device=
+# torch.cuda.current_device())` for unequal splits)
+_TENSOR_FACTORY_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
 def _with_cpu_device(fn):
@@ -114,6 +124,8 @@ def wrap_device_entry_points() -> None:
     """Install the CUDA-device-to-CPU wrappers on torch (see the module docstring)."""
     for name in _FACTORY_FUNCTIONS:
         setattr(torch, name, _with_cpu_device(getattr(torch, name)))
+    for name in _TENSOR_FACTORY_METHODS:
+        setattr(torch.Tensor, name, _with_cpu_device(getattr(torch.Tensor, name)))
     torch.Tensor.to = _tensor_to(torch.Tensor.to)
     torch.Tensor.type = _tensor_type(torch.Tensor.type)
     torch.Tensor.cuda = _tensor_cuda
@@ -188,6 +200,21 @@ def _patch_cuda_api() -> None:
     cuda.reset_peak_memory_stats = lambda device=None: None
 
 
+def _patch_moe_split_sizes() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def cpu_shims_active() -> bool:
     """True once `apply_cpu_shims` has installed the shims in this process (read off the
     patch itself: the wrapped factory functions keep their original)."""
@@ -213,6 +240,7 @@ def apply_cpu_shims() -> bool:
         _patch_cuda_api()
         install_cpu_rng_tracker()
         keep_freed_memory()
+        _patch_moe_split_sizes()
         # Last: cpu_shims_active() turns True only once everything is installed.
         wrap_device_entry_points()
         return True
