@@ -19,6 +19,8 @@ def test_cuda_devices_map_to_cpu():
     for device in (0, "cuda", "cuda:0", torch.device("cuda"), torch.cuda.current_device()):
         assert torch.empty(2, device=device).device.type == "cpu"
         assert torch.zeros(2).to(device).device.type == "cpu"
+        assert torch.zeros(2).new_empty((3,), device=device).device.type == "cpu"
+        assert torch.zeros(2).new_zeros((3,), device=device).device.type == "cpu"
     assert torch.ones(1).cuda().device.type == "cpu"
 
 
