@@ -36,6 +36,15 @@ once per process. Each shim names the Megatron call it replaces and why:
    tensors; a CPU tensor stays a tensor, and torch's binding refuses it as a list of sizes.
    On CPU the same function returns the numpy array the CUDA path returns.
 
+6. Uneven first-dimension gathers (`_patch_uneven_sequence_gathers`): with tensor and
+   expert parallelism and sequence parallelism, the MoE dispatcher all-gathers and
+   reduce-scatters token blocks of different lengths per rank
+   (`tensor_parallel.mappings._gather_along_first_dim(..., output_split_sizes)` and
+   `_reduce_scatter_along_first_dim(..., input_split_sizes)`, through
+   `torch.distributed.all_gather`/`reduce_scatter` with tensor lists), which NCCL takes and
+   gloo refuses ("invalid tensor size"). On CPU the blocks are padded to the longest, moved
+   with the equal-size collective, and cut back: the same values.
+
 The sequence-parallel LayerNorm trap is handled where the model is built
 (`megatron_patches.norms`), not here, because it is a model-spec choice.
 """
@@ -215,6 +224,56 @@ def _patch_moe_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _gather_uneven(input_, group, output_split_sizes):
+    """All-gather along dim 0 where rank r contributes `output_split_sizes[r]` rows."""
+    import torch.distributed as dist
+
+    longest = max(output_split_sizes)
+    padded = input_.new_zeros((longest, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    blocks = [torch.empty_like(padded) for _ in output_split_sizes]
+    dist.all_gather(blocks, padded, group=group)
+    return torch.cat([block[:rows] for block, rows in zip(blocks, output_split_sizes)])
+
+
+def _reduce_scatter_uneven(input_, group, input_split_sizes):
+    """Reduce-scatter along dim 0 where rank r receives the sum of every rank's
+    `input_split_sizes[r]`-row block r."""
+    import torch.distributed as dist
+
+    longest = max(input_split_sizes)
+    stacked = input_.new_zeros((len(input_split_sizes), longest, *input_.shape[1:]))
+    for r, block in enumerate(torch.split(input_, input_split_sizes, dim=0)):
+        stacked[r, : block.shape[0]] = block
+    dist.all_reduce(stacked, group=group)
+    rank = group.rank()
+    return stacked[rank, : input_split_sizes[rank]].clone()
+
+
+def _patch_uneven_sequence_gathers() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = (mappings._gather_along_first_dim,
+                              mappings._reduce_scatter_along_first_dim)
+
+    @functools.wraps(gather)
+    def gather_along_first_dim(input_, group, output_split_sizes=None,
+                               use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return _gather_uneven(input_, group, list(output_split_sizes))
+
+    @functools.wraps(reduce_scatter)
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
+                                       use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        return _reduce_scatter_uneven(input_, group, list(input_split_sizes))
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 def cpu_shims_active() -> bool:
     """True once `apply_cpu_shims` has installed the shims in this process (read off the
     patch itself: the wrapped factory functions keep their original)."""
@@ -241,6 +300,7 @@ def apply_cpu_shims() -> bool:
         install_cpu_rng_tracker()
         keep_freed_memory()
         _patch_moe_split_sizes()
+        _patch_uneven_sequence_gathers()
         # Last: cpu_shims_active() turns True only once everything is installed.
         wrap_device_entry_points()
         return True
