@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
 FP32_LOSS = 2e-6    # |loss diff|, losses ~7
 FP32_GRAD = 1e-7    # max |grad diff|: accumulation order of tied-embedding grads differs
-FP32_PARAM = 1e-7   # SGD lr 0.05: param diffs are lr x grad diffs
+FP32_PARAM = 2e-7   # SGD lr 0.05: lr x grad diffs, which may round a parameter near 1 by one
+                    # fp32 ulp (1.2e-7; the PP=1 matrix has the same bound)
 FP32_EVAL = 2e-6    # |eval loss diff| of one forward-only global batch
 STEPS = 3
 

@@ -30,6 +30,26 @@ def _dhelix_train(*args, timeout=240):
     return _run([sys.executable, "-m", "dhelix", "train", *args], timeout=timeout)
 
 
+def _dhelix_train_at_once(argvs, timeout=120):
+    """`_dhelix_train` of every command line in `argvs`, started together (independent
+    processes: on the 2-core machine two import Megatron-LM at once); their
+    `CompletedProcess`es in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "dhelix", "train", *argv], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in argvs]
+    done = []
+    try:
+        for argv, proc in zip(argvs, procs):
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
 def _lines(text):
     return [ln for ln in text.splitlines() if ln.strip()]
 
@@ -53,16 +73,17 @@ def test_bad_input_is_refused_before_torchrun_starts(tmp_path):
          "error: --dhelix does not support --fp16 (its schedules do no fp16 loss scaling); "
          "use --bf16 or fp32"),
     ]
-    for argv, line in cases:
-        proc = _dhelix_train(*argv, *PLUGIN_TINY, timeout=120)
+    *refused, bad_preset = _dhelix_train_at_once(
+        [[*argv, *PLUGIN_TINY] for argv, _ in cases]
+        + [["--nproc-per-node", "2", "--preset", "nope", "--mock-data"]])
+    for (argv, line), proc in zip(cases, refused):
         # torchrun, had it started, would print its banner and the ranks' output on stdout
         assert (proc.returncode, _errors(proc.stderr), proc.stdout) == (2, [line], ""), \
             (argv, proc.stderr[-2000:])
         assert _lines(proc.stderr)[-1] == line
-    proc = _dhelix_train("--nproc-per-node", "2", "--preset", "nope", "--mock-data", timeout=120)
-    assert (proc.returncode, _lines(proc.stderr), proc.stdout) == (2, [
+    assert (bad_preset.returncode, _lines(bad_preset.stderr), bad_preset.stdout) == (2, [
         "error: --preset: no preset 'nope' (known: llama8b, tiny; or give a JSON file path)"],
-        ""), proc.stderr[-2000:]
+        ""), bad_preset.stderr[-2000:]
 
 
 def test_preset_expands_to_megatron_arguments():

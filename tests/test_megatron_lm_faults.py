@@ -7,7 +7,9 @@ inherits, so a Manager or resource_tracker reparented to init is found too).
 - a bad `--dhelix*` argument: one line, not Megatron's usage text from every rank;
 - SIGSTOP of rank 1 (TP2, `--dhelix`: the DHelix lanes and Megatron's TP group) with
   `--distributed-timeout-minutes 1`: the job ends within the timeout plus the roll call,
-  naming rank 1 (`megatron_patches.stall_roll_call`);
+  naming rank 1 (`megatron_patches.stall_roll_call`). Most of that test is the idle wait for
+  the one-minute timeout, so its job starts with the module's first test and the other
+  tests' jobs run while it waits (`stopped_rank_job`);
 - kill -9 of rank 1 during training with `--save` every iteration: the job ends and no
   process is left (no save Manager, `megatron_patches.checkpoint_guard`); the checkpoint it
   left, with random bytes in a shard, is refused at `--load` with one line.
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -112,6 +115,34 @@ def workdir(tmp_path):
     return tmp_path
 
 
+def _stop_rank_1(workdir: Path) -> dict:
+    """TP2 with --dhelix: SIGSTOP rank 1 after iteration 2 and wait for the job to end
+    (`Job.finish`); what the test checks."""
+    job = Job(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "1",
+                      "--tensor-model-parallel-size", "2", "--dhelix"], workdir)
+    job.wait_for(lambda: " iteration        2/" in job.out.read_text(), "iteration 2")
+    stopped = job.rank_pid(1)
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    code, out, err, left = job.finish()
+    return {"stopped": stopped, "code": code, "err": err, "left": left,
+            "took": time.monotonic() - stopped_at - 3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stopped_rank_job(request, tmp_path_factory):
+    """`_stop_rank_1` started in the background when the module's first test starts, if
+    `test_stopped_rank_is_named_within_the_timeout` is selected (else None): the future
+    of its result. Its job spends most of its time idle (a rank stopped, the other waiting
+    out the collective timeout), so the module's other jobs run meanwhile."""
+    if not any(item.name == "test_stopped_rank_is_named_within_the_timeout"
+               for item in request.session.items):
+        yield None
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(_stop_rank_1, tmp_path_factory.mktemp("stopped_rank"))
+
+
 def test_bad_dhelix_argument_is_one_line_from_torchrun(workdir):
     job = Job(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-pairer", "bogus"], workdir)
     code, out, err, left = job.finish()
@@ -121,30 +152,6 @@ def test_bad_dhelix_argument_is_one_line_from_torchrun(workdir):
         "'sequential', 'round_robin', 'domino'); python -m dhelix.megatron_lm SCRIPT --help "
         "lists the arguments"], err[-3000:]
     assert "usage:" not in err and len(err.splitlines()) < 80, err[-3000:]
-
-
-def test_stopped_rank_is_named_within_the_timeout(workdir):
-    """TP2 with --dhelix: rank 0 waits in a DHelix lane (a clone of Megatron's TP group,
-    given --distributed-timeout-minutes by the plugin) or Megatron's TP group."""
-    job = Job(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "1",
-                      "--tensor-model-parallel-size", "2", "--dhelix"], workdir)
-    job.wait_for(lambda: " iteration        2/" in job.out.read_text(), "iteration 2")
-    stopped = job.rank_pid(1)
-    os.kill(stopped, signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    code, out, err, left = job.finish()
-    took = time.monotonic() - stopped_at - 3
-    print(f"SIGSTOP to the end of the job: {took:.1f} s")
-    assert code != 0 and left == [], (left, err[-3000:])
-    errors = _errors(err)
-    assert len(errors) == 1, err[-5000:]
-    assert re.fullmatch(
-        r"error: rank 1 of 2 stopped answering: a collective waited "
-        r"--distributed-timeout-minutes 1 \(60 s\) and it did not answer a roll call within "
-        rf"12 s \(rank 1: pid {stopped} on \S+, killed\); the job stops\. If it was only "
-        r"slow \(a long save or first step\), raise --distributed-timeout-minutes",
-        errors[0]), errors[0]
-    assert took < 60 + 12 + 25, took
 
 
 def test_killed_rank_leaves_no_process_and_a_damaged_save_is_refused(workdir):
@@ -172,3 +179,23 @@ def test_killed_rank_leaves_no_process_and_a_damaged_save_is_refused(workdir):
         "SHA-256 (its bytes changed since the save); nothing was loaded; resume from an "
         f"earlier iteration with --ckpt-step N (saved under {ckpt}: "
         f"{', '.join(map(str, earlier))})"], err[-3000:]
+
+
+def test_stopped_rank_is_named_within_the_timeout(stopped_rank_job):
+    """TP2 with --dhelix: rank 0 waits in a DHelix lane (a clone of Megatron's TP group,
+    given --distributed-timeout-minutes by the plugin) or Megatron's TP group. The job is
+    `stopped_rank_job`'s, started with the module's first test (this test comes last)."""
+    result = stopped_rank_job.result()
+    stopped, code, err, left, took = (result[k] for k in ("stopped", "code", "err", "left",
+                                                            "took"))
+    print(f"SIGSTOP to the end of the job: {took:.1f} s")
+    assert code != 0 and left == [], (left, err[-3000:])
+    errors = _errors(err)
+    assert len(errors) == 1, err[-5000:]
+    assert re.fullmatch(
+        r"error: rank 1 of 2 stopped answering: a collective waited "
+        r"--distributed-timeout-minutes 1 \(60 s\) and it did not answer a roll call within "
+        rf"12 s \(rank 1: pid {stopped} on \S+, killed\); the job stops\. If it was only "
+        r"slow \(a long save or first step\), raise --distributed-timeout-minutes",
+        errors[0]), errors[0]
+    assert took < 60 + 12 + 25, took

@@ -1,0 +1,22 @@
+"""Test-session environment, set before any test starts a process.
+
+Without an NVIDIA device, `TORCH_COMPILE_DISABLE=1` (unless the caller set it): every
+process this session starts inherits it (the forkserver `dhelix.harness` forks gloo ranks
+from, and the `dhelix` / torchrun subprocesses that take `os.environ`), so Megatron's
+`jit_fuser` functions run eagerly there. Without CUDA the only `torch.compile` in a run is
+Megatron's JIT warm-up (`megatron.training.initialize._warmup_jit_function`): the plugin
+turns every fusion off on CPU (`megatron_patches.machine_arguments`), so the model never
+calls what the warm-up compiles, and compiling it cost each rank ~5 s on the 2-core machine
+(a 4-rank launch's first run: 6.5 s of set-up, 1.2 s without). The warm-up still runs and
+draws its random tensors (eager dropout draws another RNG stream than inductor's, so the
+initial weights differ from a compiled run's; every comparison is between runs of one
+environment). The README quick start (tests/test_megatron_lm_quickstart.py) gives its
+torchrun jobs their own environment and keeps the compiled warm-up: there `--dhelix` with
+PP=2, whose folded model replays that warm-up's draws, must log stock Megatron's losses.
+With a GPU the fusions are on and compiled, as in a user's run, so nothing is set.
+"""
+
+import os
+
+if not os.path.exists("/dev/nvidiactl"):  # `dhelix.harness`'s test for a GPU
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
