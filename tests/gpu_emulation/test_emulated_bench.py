@@ -103,5 +103,9 @@ def test_bench_body_runs_every_system_under_the_emulation():
                 assert wall >= ms * scale / 1000, (name, wall, ms)
             assert len(modelled[f"{name}.memory"]) == 1
         assert {"megatron.link_floor", "sequential.timeline", "dhelix.timeline"} <= set(modelled)
-        # the same kernels, whoever schedules them (the operator path reproduces Megatron's)
-        assert modelled["sequential"][0] == pytest.approx(modelled["megatron"][0], rel=0.05)
+        # the same kernels, whoever schedules them (the operator path reproduces Megatron's),
+        # compared on the measured steps: the warm-up step also charges one-time work to
+        # whichever row meets it first (0.224 ms more for the sequential row in about one
+        # run in two, on top of 2.83 ms; the measured steps then agree within 1%)
+        assert min(modelled["sequential"][1:]) == pytest.approx(min(modelled["megatron"][1:]),
+                                                                rel=0.05)
