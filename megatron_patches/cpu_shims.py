@@ -250,28 +250,27 @@ def _reduce_scatter_uneven(input_, group, input_split_sizes):
     return stacked[rank, : input_split_sizes[rank]].clone()
 
 
+def _with_uneven_splits(original, uneven):
+    """`mappings._gather_along_first_dim` / `_reduce_scatter_along_first_dim` that hand a
+    call with per-rank split sizes over a group of more than one rank to `uneven`
+    (`_gather_uneven` / `_reduce_scatter_uneven`) and every other call to `original`."""
+
+    @functools.wraps(original)
+    def along_first_dim(input_, group, split_sizes=None, use_global_buffer=False):
+        if split_sizes is None or group.size() == 1:
+            return original(input_, group, split_sizes, use_global_buffer)
+        return uneven(input_, group, list(split_sizes))
+
+    return along_first_dim
+
+
 def _patch_uneven_sequence_gathers() -> None:
     from megatron.core.tensor_parallel import mappings
 
-    gather, reduce_scatter = (mappings._gather_along_first_dim,
-                              mappings._reduce_scatter_along_first_dim)
-
-    @functools.wraps(gather)
-    def gather_along_first_dim(input_, group, output_split_sizes=None,
-                               use_global_buffer=False):
-        if output_split_sizes is None or group.size() == 1:
-            return gather(input_, group, output_split_sizes, use_global_buffer)
-        return _gather_uneven(input_, group, list(output_split_sizes))
-
-    @functools.wraps(reduce_scatter)
-    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
-                                       use_global_buffer=False):
-        if input_split_sizes is None or group.size() == 1:
-            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
-        return _reduce_scatter_uneven(input_, group, list(input_split_sizes))
-
-    mappings._gather_along_first_dim = gather_along_first_dim
-    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+    mappings._gather_along_first_dim = _with_uneven_splits(
+        mappings._gather_along_first_dim, _gather_uneven)
+    mappings._reduce_scatter_along_first_dim = _with_uneven_splits(
+        mappings._reduce_scatter_along_first_dim, _reduce_scatter_uneven)
 
 
 def cpu_shims_active() -> bool:
