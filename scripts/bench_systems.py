@@ -98,7 +98,7 @@ def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path) -> st
     options = QUICK_PROFILE_OPTIONS if ns.quick else []
     command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
                "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
-               "--comm-priority", ns.comm_priority,
+               "--comm-priority", ns.comm_priority, "--comm-cores", ns.comm_cores,
                "--timeout", str(ns.timeout), "--", "-m", "dhelix", "profile",
                # the runs' own arguments (dropout 0, vocabulary): the profile must fit them
                *RUN_ARGS, *model, *config.parallel_args(), *options, "--no-progress",
@@ -190,7 +190,7 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
     if available:
         command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
                    "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", link,
-                   "--comm-priority", ns.comm_priority,
+                   "--comm-priority", ns.comm_priority, "--comm-cores", ns.comm_cores,
                    "--timeout", str(ns.timeout), "--", str(Path(__file__).resolve()),
                    "--worker", str(spec_path)]
         print(f"[bench] ({config.name}) {config.description}: {len(available)} systems, "
@@ -221,9 +221,19 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
                        "tp": config.tp, "pp": config.pp, "world_size": config.world_size,
                        "cores": os.cpu_count(), "oversubscribed": config.oversubscribed()},
             "bandwidth": bandwidth, "link_rate": link, "comm_priority": ns.comm_priority,
+            "cores": _placement(config, ns.comm_cores).describe(),
             "status": status, "cleanup": cleanup,
             "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
             "summary": summarise_config(raw), "raw": raw}
+
+
+def _placement(config, comm_cores: str):
+    """The cluster's core placement for `config` on this host (what the launcher applies)."""
+    from dhelix.cluster.cli import parse_comm_cores
+    from dhelix.cluster.cores import host_cores, plan_cores
+
+    return plan_cores(host_cores(), config.nodes, config.ranks_per_node,
+                      parse_comm_cores(comm_cores))
 
 
 def _tokens_per_step(base: list, world_size: int) -> int:
@@ -256,6 +266,12 @@ def orchestrate(ns) -> int:
     systems = [s for s in SYSTEMS if named is None or s.name in named]
     if not any(s.name == "megatron" for s in systems):
         print("error: --systems must include megatron (the baseline)", file=sys.stderr)
+        return 2
+    try:
+        for config in configs:
+            _placement(CONFIGS[config], ns.comm_cores)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     model = ns.model_args or (QUICK_MODEL if ns.quick else EMULATED_GPU_MODEL
                               if ns.gpu_emulation else DEFAULT_MODEL)
@@ -337,6 +353,10 @@ def main(argv=None) -> int:
     parser.add_argument("--comm-priority", choices=POLICIES, default="fifo",
                         help="the emulated cluster's --comm-priority for every launch "
                              "(default fifo: gloo's threads at real-time priority)")
+    parser.add_argument("--comm-cores", default="auto",
+                        help="the emulated cluster's --comm-cores for every launch (default "
+                             "auto: separate computation and communication cores where the "
+                             "host has enough, else shared-core, stated in every table)")
     parser.add_argument("--dhelix-profile", action="append", default=None,
                         help="profile for the DHelix plan (taken on the same emulated "
                              "cluster): PATH for every configuration or CONFIG=PATH; "

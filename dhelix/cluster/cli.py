@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "them to real-time priority as they appear, so communication "
                         "progresses while the cores compute, as a NIC's would; normal "
                         "leaves them to the fair scheduler (see docs/emulated_cluster.md)")
+    parser.add_argument("--comm-cores", default="auto",
+                        help="cores per node reserved for its communication (gloo threads "
+                        "and the softirq of the packets they send), the rest computing "
+                        "(OMP_NUM_THREADS fills them): 'auto' (default) one per 4 cores of "
+                        "a node where every rank keeps a computation core, else shared-core; "
+                        "0 shares every core (see docs/emulated_cluster.md)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping nodes (default 5)")
     parser.add_argument("--torchrun", default=None,
@@ -81,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             problem = rt_throttling_problem()
             if problem:
                 raise ValueError(f"--comm-priority fifo: {problem}")
+        comm_cores = parse_comm_cores(args.comm_cores)
         if args.threads_per_rank is not None and args.threads_per_rank < 1:
             raise ValueError(f"--threads-per-rank {args.threads_per_rank}: must be >= 1")
         host = Host.check()
@@ -91,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 command=command, torchrun=find_torchrun(args.torchrun),
                 master_port=args.master_port, timeout_s=args.timeout or None,
                 threads_per_rank=args.threads_per_rank, grace_s=args.grace,
-                comm_priority=args.comm_priority)
+                comm_priority=args.comm_priority, comm_cores=comm_cores)
     except (ValueError, ClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -104,6 +111,19 @@ def run(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def parse_comm_cores(text: str) -> int | None:
+    """--comm-cores: 'auto' -> None (dhelix.cluster.cores.AUTO), else a count >= 0."""
+    if text == "auto":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"--comm-cores {text}: give 'auto' or a number of cores >= 0")
+    return count
 
 
 def register(subparsers) -> None:

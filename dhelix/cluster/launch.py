@@ -5,7 +5,8 @@ Node i runs, inside its namespace,
     torchrun --nnodes N --node-rank i --nproc-per-node R \
              --master-addr <node 0 address> --master-port P  <command...>
 
-with gloo bound to the node's link (`GLOO_SOCKET_IFNAME=eth0`) and the topology exported to
+(pinned to the node's computation cores when the host has enough cores for a placement,
+`dhelix.cluster.cores`), with gloo bound to the node's link (`GLOO_SOCKET_IFNAME=eth0`) and the topology exported to
 every rank (`DHELIX_NUM_NODES`, `DHELIX_RANKS_PER_NODE`, `DHELIX_NODE_RANK`). Ranks of one
 node reach each other over loopback: traffic between addresses of the same namespace never
 leaves it, so only cross-node traffic crosses the shaped link.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dhelix.cluster.comm_priority import CommThreadPriority
+from dhelix.cluster.cores import CorePlacement, pin_prefix
 from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.naming import NODE_IFNAME, RunNames
 from dhelix.cluster.output import LinePump
@@ -71,9 +73,14 @@ class NodeJob:
     master_port: int = 29500
     threads_per_rank: int | None = None
     extra_env: dict = field(default_factory=dict)
+    placement: CorePlacement = CorePlacement(reason="no placement requested")
 
     def argv(self, node: int) -> list[str]:
-        return [self.torchrun, "--nnodes", str(self.nodes), "--node-rank", str(node),
+        """torchrun's command line for `node` (prefixed by the pinning to the node's
+        computation cores when the placement is separate)."""
+        pin = (pin_prefix(sys.executable, self.placement.nodes[node].compute)
+               if self.placement.separate else [])
+        return [*pin, self.torchrun, "--nnodes", str(self.nodes), "--node-rank", str(node),
                 "--nproc-per-node", str(self.ranks_per_node),
                 "--master-addr", RunNames.node_address(0),
                 "--master-port", str(self.master_port), *self.command]
@@ -88,8 +95,9 @@ class NodeJob:
             DHELIX_NODE_RANK=str(node),
             PYTHONUNBUFFERED="1",
         )
-        threads = self.threads_per_rank or default_threads_per_rank(
-            self.nodes * self.ranks_per_node)
+        threads = (self.threads_per_rank
+                   or self.placement.threads_per_rank(self.ranks_per_node)
+                   or default_threads_per_rank(self.nodes * self.ranks_per_node))
         env.setdefault("OMP_NUM_THREADS", str(threads))
         return env
 
@@ -133,13 +141,20 @@ class NodeGroup:
                 pump = LinePump(source, sink, f"[n{node}] ")
                 pump.start()
                 self.pumps.append(pump)
-        if self.raise_comm_threads:
-            self.priority = CommThreadPriority([proc.pid for proc in self.procs])
+        placement = self.job.placement
+        if self.raise_comm_threads or placement.separate:
+            comm_cores = ({proc.pid: placement.nodes[node].comm
+                           for node, proc in enumerate(self.procs)}
+                          if placement.separate else None)
+            self.priority = CommThreadPriority([proc.pid for proc in self.procs],
+                                               raise_priority=self.raise_comm_threads,
+                                               comm_cores=comm_cores)
 
     def wait(self, timeout_s: float | None) -> int:
         """Block until all nodes succeeded (0), one failed (its code) or time ran out (124).
         Does not stop the remaining nodes: call `stop()` (the runner always does). Meanwhile
-        raises new communication threads every PRIORITY_SCAN_S (`raise_comm_threads`)."""
+        raises new communication threads every PRIORITY_SCAN_S (`raise_comm_threads`)
+        and pins them to their node's communication cores (a separate placement)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         next_scan = time.monotonic()
         while True:

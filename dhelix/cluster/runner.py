@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 
 from dhelix.cluster.comm_priority import POLICIES
+from dhelix.cluster.cores import AUTO, CorePlacement, host_cores, plan_cores
 from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.launch import NodeGroup, NodeJob
 from dhelix.cluster.naming import MAX_NODES, RunNames
@@ -40,8 +41,10 @@ class ClusterConfig:
     grace_s: float = 5.0
     extra_env: dict = field(default_factory=dict)
     comm_priority: str = "fifo"  # or "normal" (dhelix.cluster.comm_priority)
+    comm_cores: int | None = AUTO  # per node (dhelix.cluster.cores.plan_cores); 0: shared
 
     def __post_init__(self):
+        self.placement()  # ValueError (one line) when the cores cannot be split so
         if self.nodes < 1 or self.ranks_per_node < 1:
             raise ValueError(f"need nodes >= 1 and ranks per node >= 1, got {self.nodes} "
                              f"and {self.ranks_per_node}")
@@ -55,6 +58,10 @@ class ClusterConfig:
         if not 1 <= self.master_port <= 65535:
             raise ValueError(f"master port {self.master_port} outside 1..65535")
 
+    def placement(self) -> CorePlacement:
+        """The nodes' computation and communication cores on this host (or shared-core)."""
+        return plan_cores(host_cores(), self.nodes, self.ranks_per_node, self.comm_cores)
+
 
 def _log(message: str) -> None:
     print(f"[cluster] {message}", file=sys.stderr, flush=True)
@@ -66,16 +73,19 @@ def run_cluster(config: ClusterConfig, host: Host | None = None,
     host = host or Host.check()
     names = names or RunNames.new()
     network = EmulatedNetwork(host, names, config.nodes, config.shape)
+    placement = config.placement()
     job = NodeJob(config.command, config.ranks_per_node, config.nodes, config.torchrun,
                   config.master_port, config.threads_per_rank,
-                  {**config.extra_env, "DHELIX_CLUSTER_LINK": config.shape.describe()})
+                  {**config.extra_env, "DHELIX_CLUSTER_LINK": config.shape.describe(),
+                   "DHELIX_CLUSTER_CORES": placement.describe()},
+                  placement=placement)
     nodes = NodeGroup(host, names, job, grace_s=config.grace_s, log=_log,
                       raise_comm_threads=config.comm_priority == "fifo")
     with SignalGuard() as guard:
         try:
             network.up()
             _log(f"{names.run_id}: {config.nodes} nodes x {config.ranks_per_node} ranks, "
-                 f"cross-node links {config.shape.describe()}")
+                 f"cross-node links {config.shape.describe()}; {placement.describe()}")
             nodes.start()
             code = nodes.wait(config.timeout_s)
             if nodes.priority is not None and nodes.priority.failures:

@@ -1,0 +1,98 @@
+"""Core placement of the emulated cluster: the split (pure), the pinning before exec, and
+gloo-named threads moved to their node's communication cores (real processes, no root)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dhelix.cluster.comm_priority import CommThreadPriority
+from dhelix.cluster.cores import plan_cores, pin_prefix
+
+
+def test_sixteen_cores_two_nodes_get_compute_and_communication_blocks():
+    placement = plan_cores(range(16), nodes=2, ranks_per_node=1)
+    assert placement.separate
+    assert [n.compute for n in placement.nodes] == [tuple(range(6)), tuple(range(8, 14))]
+    assert [n.comm for n in placement.nodes] == [(6, 7), (14, 15)]
+    assert placement.threads_per_rank(1) == 6
+    assert "node 0: compute 0-5, communication 6-7" in placement.describe()
+
+
+def test_two_ranks_per_node_share_the_nodes_computation_cores():
+    placement = plan_cores(range(16), nodes=2, ranks_per_node=2)
+    assert [len(n.compute) for n in placement.nodes] == [6, 6]
+    assert placement.threads_per_rank(2) == 3
+
+
+def test_too_few_cores_is_shared_core_and_says_why():
+    placement = plan_cores(range(2), nodes=2, ranks_per_node=1)
+    assert not placement.separate
+    assert placement.threads_per_rank(1) is None
+    assert placement.describe().startswith("shared-core (2 cores for 2 nodes x 1 ranks")
+    assert not plan_cores(range(16), 2, 1, comm_per_node=0).separate
+
+
+def test_an_explicit_count_that_does_not_fit_is_one_line():
+    with pytest.raises(ValueError, match=r"^--comm-cores 4: 8 usable cores give each of 2 "
+                                         r"nodes 4, fewer than its 1 rank\(s\) \+ 4"):
+        plan_cores(range(8), 2, 1, comm_per_node=4)
+    assert plan_cores(range(8), 2, 1, comm_per_node=3).nodes[1].comm == (5, 6, 7)
+
+
+def test_cli_option_is_refused_in_one_line():
+    from dhelix.cluster.cli import parse_comm_cores
+
+    assert parse_comm_cores("auto") is None and parse_comm_cores("2") == 2
+    with pytest.raises(ValueError, match="^--comm-cores x: give 'auto'"):
+        parse_comm_cores("x")
+
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                     reason="needs 2 usable cores")
+
+
+@needs_two_cores
+def test_pin_prefix_pins_the_command_it_execs():
+    core = max(os.sched_getaffinity(0))
+    out = subprocess.run(
+        pin_prefix(sys.executable, (core,))
+        + [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+        capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"[{core}]"
+
+
+# A process with one thread named like gloo's transport thread (prctl PR_SET_NAME), which
+# prints its thread id and then sleeps until killed.
+_GLOO_NAMED_THREAD = """
+import ctypes, threading, time
+def body():
+    ctypes.CDLL(None).prctl(15, b"gloo_tcp_loop", 0, 0, 0)
+    import threading as t; print(t.get_native_id(), flush=True); time.sleep(60)
+threading.Thread(target=body, daemon=True).start()
+time.sleep(60)
+"""
+
+
+@needs_two_cores
+def test_gloo_threads_move_to_the_nodes_communication_cores_and_nothing_else_does():
+    cores = sorted(os.sched_getaffinity(0))
+    proc = subprocess.Popen([sys.executable, "-c", _GLOO_NAMED_THREAD], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        tid = int(proc.stdout.readline())
+        control = CommThreadPriority([proc.pid], raise_priority=False,
+                                     comm_cores={proc.pid: (cores[-1],)})
+        deadline = time.monotonic() + 10
+        while control.scan() == 0 and not control.raised and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.sched_getaffinity(tid) == {cores[-1]}
+        assert os.sched_getaffinity(proc.pid) == set(cores)  # the main thread kept its cores
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER  # priority left alone
+    finally:
+        proc.kill()
+        proc.wait()
