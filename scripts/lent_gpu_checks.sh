@@ -29,7 +29,7 @@ else
     export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1
-TESTS_S=${TESTS_S:-200} PROFILE_S=${PROFILE_S:-120} BENCH_S=${BENCH_S:-300}
+TESTS_S=${TESTS_S:-200} PROFILE_S=${PROFILE_S:-120} BENCH_S=${BENCH_S:-300} CLUSTER_S=${CLUSTER_S:-300}
 REPS=${REPS:-8}
 
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, print the exit code
@@ -72,4 +72,14 @@ for row in stock_sdpa dhelix_sequential; do
     trace=/tmp/lent_gpu_traces/$row.trace.json.gz
     [ -f "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ] && cp "$trace" "$OUT/"
 done
+if [[ " $STEPS " == *" cluster "* ]]; then
+    if ls .debs/*.deb >/dev/null 2>&1 && ! command -v ip >/dev/null 2>&1; then
+        for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/iproute2; done
+        export PATH=/tmp/iproute2/usr/sbin:/tmp/iproute2/sbin:/tmp/iproute2/usr/bin:$PATH
+        export LD_LIBRARY_PATH=/tmp/iproute2/usr/lib/x86_64-linux-gnu:/tmp/iproute2/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+    # shellcheck disable=SC2086 (CLUSTER_ARGS splits into words on purpose)
+    CUDA_VISIBLE_DEVICES= step cluster_bench "$CLUSTER_S" $PY scripts/bench_systems.py \
+        ${CLUSTER_ARGS:---configs a --reps 4} --out "$OUT/cluster"
+fi
 cat "$OUT/summary.txt"
