@@ -33,6 +33,8 @@ STOPPED_EXIT_CODE = 3
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
+    from dhelix.gpu_emulation import options as emulation_options
+
     parser.add_argument("--preset", default=None,
                         help="model preset expanded to Megatron arguments: a name in configs/ "
                              "(e.g. tiny) or a JSON file path (as for `dhelix train`)")
@@ -57,16 +59,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after", type=int, default=None, metavar="N",
                         help="(testing) stop after measuring N pairs, keeping the partial file "
                         f"(exit code {STOPPED_EXIT_CODE}); re-running resumes")
-    parser.add_argument("--gpu-emulation", metavar="GPU_PROFILE", default=None,
-                        help="profile on the emulated GPU (docs/gpu_emulation.md): compute "
-                        "kernels take GPU_PROFILE's times (a `dhelix profile --comp-only` "
-                        "file) x S, holding no core; collectives run for real")
-    parser.add_argument("--time-scale", type=float, default=None, metavar="S",
-                        help="with --gpu-emulation: kernel times x S (give the link the GPU "
-                        "cluster's rate / S)")
+    emulation_options.add_options(parser, "measure")
     parser.add_argument("--gpu-emulation-trace", metavar="TRACE", default=None,
-                        help="with --gpu-emulation: GPU_PROFILE's layer trace (JSON, "
-                        "`emulated_run.trace_profile`), when taken already; default: every "
+                        help="with --gpu-emulation: PROFILE's layer trace (JSON, "
+                        "`emulated_run.trace_profile`) when taken already; default: every "
                         "rank traces it (~10 s)")
     parser.add_argument("--show", metavar="PROFILE", default=None,
                         help="print the OEF class table of an existing profile (and draw "

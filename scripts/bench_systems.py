@@ -338,6 +338,7 @@ def worker(spec_path: str) -> int:
 def main(argv=None) -> int:
     from dhelix.bench.systems import SYSTEM_NAMES
     from dhelix.cluster.comm_priority import POLICIES
+    from dhelix.gpu_emulation import options as emulation_options
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="a,a2,b,c",
@@ -368,16 +369,9 @@ def main(argv=None) -> int:
                         help="a tiny case (for the test): 4-layer tiny model, 1 repetition")
     parser.add_argument("--timeout", type=int, default=1800,
                         help="seconds per configuration before the cluster is stopped")
-    parser.add_argument("--gpu-emulation", default=None, metavar="PROFILE",
-                        help="run every system's steps under the GPU emulation "
-                             "(docs/gpu_emulation.md): compute kernels take PROFILE's times "
-                             "(a `dhelix profile --comp-only` file) x S; the default model "
-                             "becomes a Llama-8B layer and the default link 150gbit (the "
-                             "compute-rich configuration); DHelix's profile is taken on the "
-                             "emulated GPU (unless --dhelix-profile / --no-profile)")
-    parser.add_argument("--time-scale", type=float, default=None, metavar="S",
-                        help="with --gpu-emulation: kernel times x S and the link's rate "
-                             "(--bandwidth, the GPU cluster's) / S")
+    # the default model becomes a Llama-8B layer and the default link 150gbit (the
+    # compute-rich configuration); DHelix's profile is taken on the emulated GPU too
+    emulation_options.add_options(parser, "run every system's steps and DHelix's profile")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("model_args", nargs=argparse.REMAINDER,
                         help="after --: Megatron model arguments replacing the default model")
