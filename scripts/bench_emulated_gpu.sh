@@ -9,6 +9,7 @@
 #   bash scripts/bench_emulated_gpu.sh                   # root; S=100 (the 2-core machine)
 #   S=50 REPS=3 OUT=/tmp/emu bash scripts/bench_emulated_gpu.sh
 #   SETUP_ONLY=1 bash scripts/bench_emulated_gpu.sh    # ip/tc and megatron-core found? exit
+#   bash scripts/bench_emulated_gpu.sh -- <Megatron model arguments>   # replace the model
 #
 # On a machine without iproute2 (the lent 16-core machine: no GPU used) it unpacks the .deb
 # files under .debs/ (`apt-get download iproute2 <its libraries>`, docs/benchmark.md) into
@@ -49,4 +50,4 @@ echo "[bench_emulated_gpu] $(nproc) cores, S=$S, link $LINK, reps $REPS, out $OU
 if [ -n "${SETUP_ONLY:-}" ]; then $PY -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"; exit $?; fi
 exec $PY scripts/bench_systems.py --configs a --systems "$SYSTEMS" --bandwidth "$LINK" \
     --gpu-emulation "$PROFILE" --time-scale "$S" --reps "$REPS" --warmup "$WARMUP" \
-    --timeout 3000 --out "$OUT"
+    --timeout 3000 --out "$OUT" "$@"
