@@ -166,19 +166,18 @@ def megatron_command(args, megatron_argv: list) -> list:
 
 
 def gpu_emulation(args):
-    """The `GpuEmulation` of `--gpu-emulation GPU_PROFILE --time-scale S
+    """The `GpuEmulation` of `--gpu-emulation PROFILE --time-scale S
     [--gpu-emulation-trace TRACE]`, or None without --gpu-emulation. Raises ArgumentError
     for a missing --time-scale or file."""
-    if args.gpu_emulation is None:
-        from dhelix.argument_error import ArgumentError
+    from dhelix.argument_error import ArgumentError
 
+    if args.gpu_emulation is None:
         if args.time_scale is not None or args.gpu_emulation_trace is not None:
             raise ArgumentError("--time-scale and --gpu-emulation-trace go with "
-                                "--gpu-emulation GPU_PROFILE")
+                                "--gpu-emulation PROFILE")
         return None
     import json
 
-    from dhelix.argument_error import ArgumentError
     from dhelix.gpu_emulation.emulated_run import GpuEmulation, trace_profile
 
     if args.time_scale is None or not args.time_scale > 0:
