@@ -4,6 +4,7 @@ write the profile the planner needs (plus an OEF heatmap by operator class).
     torchrun --nproc-per-node 2 -m dhelix profile [--preset NAME|FILE] <Megatron arguments>
         -o profile.json [--max-pairs N] [--repeats R] [--warmup W]
         [--heatmap PNG | --no-heatmap] [--overwrite] [--comp-only]
+        [--gpu-emulation GPU_PROFILE --time-scale S [--gpu-emulation-trace TRACE]]
     dhelix profile --show profile.json [--heatmap PNG]
 
 Model and parallel arguments are Megatron's, as for pretraining under the plugin
@@ -14,7 +15,10 @@ the same cost keys and fingerprints as `--dhelix` training checks. The profiler'
 groups being profiled (across nodes when the tensor-parallel group spans nodes, e.g. inside
 `dhelix cluster`). Without torchrun's environment it runs as one process (TP=1, e.g. the
 single-GPU `--comp-only` profile). An interrupted job leaves `<output>.partial`; re-running
-the same command resumes it. See docs/profiler.md.
+the same command resumes it. With `--gpu-emulation` the layer runs on the emulated GPU
+(docs/gpu_emulation.md): compute kernels take GPU_PROFILE's fitted times x S, asleep, the
+collectives run for real (on the emulated cluster, over a link at the GPU cluster's rate
+/ S), so the profile holds the emulated cluster's times. See docs/profiler.md.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ STOPPED_EXIT_CODE = 3
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
+    from dhelix.gpu_emulation import options as emulation_options
+
     parser.add_argument("--preset", default=None,
                         help="model preset expanded to Megatron arguments: a name in configs/ "
                              "(e.g. tiny) or a JSON file path (as for `dhelix train`)")
@@ -53,6 +59,11 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after", type=int, default=None, metavar="N",
                         help="(testing) stop after measuring N pairs, keeping the partial file "
                         f"(exit code {STOPPED_EXIT_CODE}); re-running resumes")
+    emulation_options.add_options(parser, "measure")
+    parser.add_argument("--gpu-emulation-trace", metavar="TRACE", default=None,
+                        help="with --gpu-emulation: PROFILE's layer trace (JSON, "
+                        "`emulated_run.trace_profile`) when taken already; default: every "
+                        "rank traces it (~10 s)")
     parser.add_argument("--show", metavar="PROFILE", default=None,
                         help="print the OEF class table of an existing profile (and draw "
                         "--heatmap); measures nothing")
@@ -154,14 +165,44 @@ def megatron_command(args, megatron_argv: list) -> list:
     return argv + ["--num-layers", str(margs.pipeline_model_parallel_size)]
 
 
+def gpu_emulation(args):
+    """The `GpuEmulation` of `--gpu-emulation PROFILE --time-scale S
+    [--gpu-emulation-trace TRACE]`, or None without --gpu-emulation. Raises ArgumentError
+    for a missing --time-scale or file."""
+    from dhelix.argument_error import ArgumentError
+
+    if args.gpu_emulation is None:
+        if args.time_scale is not None or args.gpu_emulation_trace is not None:
+            raise ArgumentError("--time-scale and --gpu-emulation-trace go with "
+                                "--gpu-emulation PROFILE")
+        return None
+    import json
+
+    from dhelix.gpu_emulation.emulated_run import GpuEmulation, trace_profile
+
+    if args.time_scale is None or not args.time_scale > 0:
+        raise ArgumentError("--gpu-emulation needs --time-scale S > 0 (kernel times x S)")
+    for path in (args.gpu_emulation, args.gpu_emulation_trace):
+        if path is not None and not Path(path).is_file():
+            raise ArgumentError(f"{path}: no such file")
+    profile = str(Path(args.gpu_emulation).resolve())
+    trace = (json.loads(Path(args.gpu_emulation_trace).read_text())
+             if args.gpu_emulation_trace else trace_profile(profile))
+    return GpuEmulation(profile=profile, trace=trace, time_scale=args.time_scale)
+
+
 def profile_job(args, megatron_argv: list):
     """The measuring job on this rank (collective); returns the ProfileResult. The model
     is the one `pretrain()` builds for the command line (`megatron_command`), closed (with
-    Megatron's global state) before returning."""
+    Megatron's global state) before returning. With --gpu-emulation (`gpu_emulation`) the
+    model is built under `GpuEmulation.building` and every pass runs on the emulated GPU
+    (`EmulatedCalls`); the profile's meta says so (`gpu_emulation`), and a partial file
+    of a job with other emulation settings is not resumed."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from dhelix.gpu_emulation.emulated_run import EmulatedCalls
     from dhelix.launch import PRETRAIN_SCRIPT
     from dhelix.parallel import job_of_megatron_group
     from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
@@ -173,7 +214,18 @@ def profile_job(args, megatron_argv: list):
 
     options = ProfileOptions(warmup=args.warmup, repeats=args.repeats,
                              max_pairs=args.max_pairs, comp_only=args.comp_only)
-    run = build_run(str(PRETRAIN_SCRIPT), megatron_command(args, megatron_argv))
+    emulation = gpu_emulation(args)
+    command = megatron_command(args, megatron_argv)
+    if emulation is None:
+        run, emulated, described = build_run(str(PRETRAIN_SCRIPT), command), None, {}
+    else:
+        model = emulation.kernel_model()
+        with emulation.building(model):
+            run = build_run(str(PRETRAIN_SCRIPT), command)
+        emulated = EmulatedCalls(run.model, model, emulation.config())
+        described = {"gpu_emulation": {"profile": emulation.profile,
+                                       "time_scale": emulation.time_scale,
+                                       "overlap_slowdown": emulation.overlap_slowdown}}
     try:
         with run.active():
             margs = run.args
@@ -181,9 +233,10 @@ def profile_job(args, megatron_argv: list):
             typed = run_from_megatron_args(margs)  # what --dhelix start-up checks against
             run_info = {"model": model_fingerprint(typed), "parallel": parallel_fingerprint(typed),
                         "world_size": world,
-                        "ranks_per_node": NodeTopology.detect().ranks_per_node or world}
+                        "ranks_per_node": NodeTopology.detect().ranks_per_node or world,
+                        **described}
             job = job_of_megatron_group(timedelta(minutes=margs.distributed_timeout_minutes))
-            layer, timer = build_layer_under_test(run, job)
+            layer, timer = build_layer_under_test(run, job, emulated)
             return run_profile(layer, args.output, run=run_info, options=options,
                                overwrite=args.overwrite, stop_after=args.stop_after,
                                timer=timer, show_progress=not args.no_progress,

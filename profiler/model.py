@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 
 
-def build_layer_under_test(run, job):
+def build_layer_under_test(run, job, emulated=None):
     """(LayerUnderTest, Timer) for this rank from `run` (a
     `megatron_patches.step_harness.PretrainedRun`, active: Megatron's globals are its own):
     the first TransformerLayer of this rank's first model chunk. `job` is the
     `dhelix.parallel.Job` of the default process group (its timeout goes to the lanes).
     The layer's inputs are drawn on the host from `--seed` (the same on every rank) and
     moved to the layer's device in its parameter dtype; the tensors belong to the returned
-    LayerUnderTest."""
+    LayerUnderTest. `emulated` (an `EmulatedCalls` of `run.model`, `dhelix profile
+    --gpu-emulation`): every pass runs under it and the timer drains its stream at the end
+    of every region (`profiler.timing`)."""
     from dhelix.devices import model_device
     from dhelix.ops.runner import BoundLayer
     from dhelix.runtime.lanes import check_cuda_device_max_connections, comm_channels, \
@@ -51,4 +53,6 @@ def build_layer_under_test(run, job):
     sync_group = None
     if dist.is_initialized() and dist.get_backend() != "gloo":
         sync_group = dist.new_group(backend="gloo")  # barriers and MAX on the host
-    return LayerUnderTest(bound, lanes, x, dy, rotary), Timer(sync_group)
+    timer = (Timer(sync_group) if emulated is None
+             else Timer(sync_group, cuda=False, synchronize=emulated.synchronize))
+    return LayerUnderTest(bound, lanes, x, dy, rotary, emulated), timer

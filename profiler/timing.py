@@ -22,6 +22,12 @@ dependencies are met), then times:
   before the two operators, then `strand_executor.run_block` co-executes them as one block
   with its closing barrier - exactly the runtime's path for a paired block.
 
+On an emulated GPU (`dhelix profile --gpu-emulation`, `LayerUnderTest.emulated`, a
+`dhelix.gpu_emulation.emulated_run.EmulatedCalls`) every pass runs under the emulation
+(`LayerUnderTest.running`: compute kernels take the modelled time x S, asleep; collectives
+real), and the timer drains the emulated stream at the end of every region before reading
+the clock (`Timer(synchronize=...)`), as a CUDA event ends when its stream reaches it.
+
 Every rank runs the same operators in the same order, so collectives stay matched. The
 executions are dropped after a pass (nothing is left pending: every region ends waiting on
 its collectives); gradients of the layer's parameters accumulate, which a profiling model
@@ -31,6 +37,7 @@ does not mind.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from statistics import median
 
@@ -55,11 +62,17 @@ def warm_up_cuda() -> None:
 class Timer:
     """Barrier-aligned region timing on every rank of `group` (see the module docstring).
     `sync_group` is a gloo group over the same ranks used for barriers and the MAX
-    reduction (the default group on CPU)."""
+    reduction (the default group on CPU). `synchronize` (CPU timer only): called at the end
+    of every region before its end is read (an emulated GPU's stream drain,
+    `EmulatedCalls.synchronize`), so a region lasts until its kernels have ended."""
 
-    def __init__(self, sync_group=None, cuda: bool | None = None):
+    def __init__(self, sync_group=None, cuda: bool | None = None, synchronize=None):
         self.sync_group = sync_group
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        if synchronize is not None and self.cuda:
+            raise ValueError("error: a CUDA timer waits on its stream; synchronize= is for "
+                             "an emulated GPU's CPU timer")
+        self._synchronize = synchronize
         self._events: list = []
         self._warm = False
 
@@ -84,6 +97,8 @@ class Timer:
         else:
             t0 = time.perf_counter()
             fn()
+            if self._synchronize is not None:
+                self._synchronize()
             self._events.append((time.perf_counter() - t0) * 1e3)
         return len(self._events) - 1
 
@@ -113,13 +128,20 @@ def median_ms(samples) -> float:
 @dataclass
 class LayerUnderTest:
     """A bound layer (`dhelix.ops.runner.BoundLayer`), its lanes (or None) and fixed inputs:
-    `x` the layer input, `dy` the gradient of its output, `rotary` the RoPE table or None."""
+    `x` the layer input, `dy` the gradient of its output, `rotary` the RoPE table or None;
+    `emulated`: None (the operators compute) or the emulated GPU every pass runs under (a
+    `dhelix.gpu_emulation.emulated_run.EmulatedCalls` of the layer's model)."""
 
     bound: object
     lanes: object
     x: torch.Tensor
     dy: torch.Tensor
     rotary: object = None
+    emulated: object = None
+
+    def running(self):
+        """The context a pass runs its operators in: none, or one emulated call."""
+        return nullcontext() if self.emulated is None else self.emulated.running()
 
     @property
     def forward(self):
@@ -165,28 +187,30 @@ def _run_and_wait(execution, op_id: str):
 def solo_pass(layer: LayerUnderTest, timer: Timer) -> dict:
     """One pass timing every operator alone: {op id: local ms} (forward then backward)."""
     ids = []
-    execution = layer.forward_execution()
-    for op_id in layer.forward.ids:
-        timer.time(_run_and_wait(execution, op_id))
-        ids.append(op_id)
-    execution.end_forward()
-    execution.begin_backward(layer.dy)
-    for op_id in layer.backward.ids:
-        timer.time(_run_and_wait(execution, op_id))
-        ids.append(op_id)
-    execution.end_backward()
+    with layer.running():
+        execution = layer.forward_execution()
+        for op_id in layer.forward.ids:
+            timer.time(_run_and_wait(execution, op_id))
+            ids.append(op_id)
+        execution.end_forward()
+        execution.begin_backward(layer.dy)
+        for op_id in layer.backward.ids:
+            timer.time(_run_and_wait(execution, op_id))
+            ids.append(op_id)
+        execution.end_backward()
     return dict(zip(ids, timer.collect()))
 
 
 def pair_pass(layer: LayerUnderTest, timer: Timer, chain) -> list[float]:
     """One pass over a chain of candidates (`profiler.candidates`): local ms of each
     co-executed pair, in chain order."""
-    fwd_ex, bwd_ex = layer.forward_execution(), layer.backward_execution()
-    fwd_next = bwd_next = 0
-    for cand in chain:
-        _advance(fwd_ex, layer.forward, fwd_next, cand.fwd_pos)
-        _advance(bwd_ex, layer.backward, bwd_next, cand.bwd_pos)
-        block = Block((cand.fwd,), (cand.bwd,))
-        timer.time(lambda: run_block(fwd_ex, bwd_ex, block))
-        fwd_next, bwd_next = cand.fwd_pos + 1, cand.bwd_pos + 1
+    with layer.running():
+        fwd_ex, bwd_ex = layer.forward_execution(), layer.backward_execution()
+        fwd_next = bwd_next = 0
+        for cand in chain:
+            _advance(fwd_ex, layer.forward, fwd_next, cand.fwd_pos)
+            _advance(bwd_ex, layer.backward, bwd_next, cand.bwd_pos)
+            block = Block((cand.fwd,), (cand.bwd,))
+            timer.time(lambda: run_block(fwd_ex, bwd_ex, block))
+            fwd_next, bwd_next = cand.fwd_pos + 1, cand.bwd_pos + 1
     return timer.collect()

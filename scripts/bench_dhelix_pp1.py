@@ -206,15 +206,11 @@ class _Calls:
                 "--no-check-for-nan-in-loss-and-grad"]
 
     def building(self):
-        """The context to build the runs in: none, or under the emulation a mode that charges
-        nothing worth waiting for (S = 1e-9), so initialising the weights, optimizer state
-        and gradient buffers computes and touches nothing: at Llama-8B layer shapes the
-        untouched pages cost no memory (the weights are garbage; timing only)."""
+        """The context to build the runs in: none, or under the emulation
+        `GpuEmulation.building` (nothing computed or touched)."""
         if self.emulation is None:
             return contextlib.nullcontext()
-        from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
-
-        return GpuEmulationMode(self.model, EmulationConfig(time_scale=1e-9))
+        return self.emulation.building(self.model)
 
     def __call__(self, name: str, run, fn):
         if self.emulation is None:

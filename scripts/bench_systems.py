@@ -43,16 +43,25 @@ DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-h
                  "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1000"]
 # --quick profiles a handful of pairs once: enough to exercise the path, not to plan well.
 QUICK_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "1", "--max-pairs", "8"]
+# under the GPU emulation every pass takes a layer's modelled time x S: one timed pass (each
+# solo entry still gets a sample after every chain of pairs, its median kept)
+EMULATED_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "1"]
 # the tiny model (configs/tiny.json) with a global batch of 4
 QUICK_MODEL = [*tiny_model(global_batch_size=4), "--train-iters", "1000"]
-# --gpu-emulation's default: Llama-8B layers (the H100 profile's shape), 2 of them, m=8
+# --gpu-emulation's default, the compute-rich configuration (docs/benchmark.md, "Emulated GPU
+# cluster"): one Llama-8B layer (the H100 profile's layer shape) at sequence 2048, micro-batch
+# 2 (the Domino split needs an even one), global batch 16 (m = 8), on a 150 Gbit/s GPU link.
+# A micro-batch's layer computes ~10 ms on one H100 at TP=2 (GEMMs 4.7, attention 4.1,
+# memory-bound ~1.3) and all-reduces 4 x 32 MiB (each rank sends 128 MiB: 7.2 ms at 150
+# Gbit/s): communication ~35% of Megatron's step, the link's floor ~70% of the comm-free one.
 EMULATED_GPU_MODEL = [
-    "--num-layers", "2", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+    "--num-layers", "1", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
     "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
-    "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
-    "--global-batch-size", "8", "--normalization", "RMSNorm", "--swiglu",
+    "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "2",
+    "--global-batch-size", "16", "--normalization", "RMSNorm", "--swiglu",
     "--position-embedding-type", "rope", "--disable-bias-linear", "--bf16",
     "--untie-embeddings-and-output-weights", "--train-iters", "1000"]
+EMULATED_GPU_LINK = "150gbit"  # --gpu-emulation's default --bandwidth (the GPU cluster's)
 
 
 def per_config(values: list, option: str, configs: list) -> dict:
@@ -88,23 +97,36 @@ def _leftovers(launcher_pid: int) -> list:
     return found
 
 
-def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path) -> str | None:
+def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path,
+                   emulation: dict | None = None) -> str | None:
     """Take the DHelix row's profile on the same emulated cluster (same shape, link and
     model) with `dhelix profile`; returns its path, or None (with the reason printed) when
-    profiling failed, in which case the DHelix row falls back to the analytic plan."""
+    profiling failed, in which case the DHelix row falls back to the analytic plan. Under
+    the GPU emulation (`emulation`, `gpu_emulation_spec`'s) the profile runs on the
+    emulated GPU too (`dhelix profile --gpu-emulation`, the launch's trace handed over in
+    a file; the link at `bandwidth` / S), so the plan's costs are the emulated cluster's."""
     from dhelix.bench.systems import RUN_ARGS
 
     path = raw_dir / f"{config.name}.profile.json"
     options = QUICK_PROFILE_OPTIONS if ns.quick else []
+    link = bandwidth
+    if emulation is not None:
+        trace = raw_dir / "gpu_emulation_trace.json"
+        trace.write_text(json.dumps(emulation["trace"]))
+        options = [*(options or EMULATED_PROFILE_OPTIONS), "--gpu-emulation",
+                   emulation["profile"], "--time-scale", str(emulation["time_scale"]),
+                   "--gpu-emulation-trace", str(trace)]
+        link = emulated_bandwidth(bandwidth, emulation["time_scale"])
     command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
-               "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", bandwidth,
+               "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", link,
                "--comm-priority", ns.comm_priority, "--comm-cores", ns.comm_cores,
                "--timeout", str(ns.timeout), "--", "-m", "dhelix", "profile",
                # the runs' own arguments (dropout 0, vocabulary): the profile must fit them
                *RUN_ARGS, *model, *config.parallel_args(), *options, "--no-progress",
                "--overwrite",
                "-o", str(path)]
-    print(f"[bench] ({config.name}) profiling on the same cluster ({bandwidth})", flush=True)
+    print(f"[bench] ({config.name}) profiling on the same cluster ({link}"
+          + (", emulated GPU" if emulation else "") + ")", flush=True)
     started = time.time()
     with open(raw_dir / f"{config.name}.profile.log", "w") as log:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
@@ -130,9 +152,8 @@ def emulated_bandwidth(bandwidth: str, time_scale: float | None) -> str:
 
 
 def check_gpu_emulation(ns) -> str | None:
-    """The `error: ...` line for bad --gpu-emulation / --time-scale options, else None;
-    with --gpu-emulation, sets `ns.no_profile` (`dhelix profile` would time this CPU, not
-    the emulated GPU: DHelix plans from --dhelix-profile or analytic costs)."""
+    """The `error: ...` line for bad --gpu-emulation / --time-scale options, else None.
+    (With --gpu-emulation the profile is taken on the emulated GPU: `profile_config`.)"""
     if ns.gpu_emulation is None:
         return ("error: --time-scale goes with --gpu-emulation PROFILE"
                 if ns.time_scale is not None else None)
@@ -140,7 +161,6 @@ def check_gpu_emulation(ns) -> str | None:
         return "error: --gpu-emulation needs --time-scale S > 0 (kernel times x S, link / S)"
     if not Path(ns.gpu_emulation).is_file():
         return f"error: --gpu-emulation {ns.gpu_emulation}: no such file"
-    ns.no_profile = True
     return None
 
 
@@ -150,14 +170,11 @@ def gpu_emulation_spec(ns) -> dict | None:
     gets; None without --gpu-emulation."""
     if ns.gpu_emulation is None:
         return None
-    from dhelix.gpu_emulation.emulated_run import GpuEmulation
-    from dhelix.gpu_emulation.profile_fit import trace_profile_layer
-    from dhelix.harness import run_megatron_ranks
+    from dhelix.gpu_emulation.emulated_run import GpuEmulation, trace_profile
 
     profile = str(Path(ns.gpu_emulation).resolve())
     print(f"[bench] GPU emulation: tracing the layer of {profile}", flush=True)
-    trace = run_megatron_ranks(trace_profile_layer, 1, profile, timeout_s=600,
-                               env={"OMP_NUM_THREADS": "1"})[0]
+    trace = trace_profile(profile)
     emulation = GpuEmulation(profile=profile, trace=trace, time_scale=ns.time_scale)
     emulation.kernel_model()  # refuse a profile the model cannot be fitted to, here
     # the ranks (which inherit this environment): every allocation of 1 MiB or more its own
@@ -295,10 +312,10 @@ def orchestrate(ns) -> int:
     failed = False
     for name in configs:
         config = CONFIGS[name]
-        bandwidth = bandwidths[name] or config.bandwidth
+        bandwidth = bandwidths[name] or (EMULATED_GPU_LINK if emulation else config.bandwidth)
         if profiles[name] is None and not ns.no_profile and any(s.uses_profile
                                                                  for s in systems):
-            profiles[name] = profile_config(config, model, ns, bandwidth, raw_dir)
+            profiles[name] = profile_config(config, model, ns, bandwidth, raw_dir, emulation)
         runs = {s.name: plan_system(s, config, model, profiles[name]) for s in systems}
         entry = run_config(config, runs, model, ns, bandwidth, raw_dir, emulation)
         failed |= not entry["status"].startswith("exit 0") or "LEFT" in entry["cleanup"]
@@ -337,6 +354,7 @@ def worker(spec_path: str) -> int:
 def main(argv=None) -> int:
     from dhelix.bench.systems import SYSTEM_NAMES
     from dhelix.cluster.comm_priority import POLICIES
+    from dhelix.gpu_emulation import options as emulation_options
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="a,a2,b,c",
@@ -349,7 +367,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None,
                         help="unmeasured repetitions first (default 1; 0 with --quick)")
     parser.add_argument("--bandwidth", action="append", default=None,
-                        help="link rate, e.g. 800mbit (default), or CONFIG=RATE; repeatable")
+                        help="link rate, e.g. 800mbit (default; (a2) 500mbit), or CONFIG=RATE; "
+                             "repeatable; with --gpu-emulation the GPU cluster's (default "
+                             "150gbit), the link gets it / S")
     parser.add_argument("--comm-priority", choices=POLICIES, default="fifo",
                         help="the emulated cluster's --comm-priority for every launch "
                              "(default fifo: gloo's threads at real-time priority)")
@@ -369,15 +389,9 @@ def main(argv=None) -> int:
                         help="a tiny case (for the test): 4-layer tiny model, 1 repetition")
     parser.add_argument("--timeout", type=int, default=1800,
                         help="seconds per configuration before the cluster is stopped")
-    parser.add_argument("--gpu-emulation", default=None, metavar="PROFILE",
-                        help="run every system's steps under the GPU emulation "
-                             "(docs/gpu_emulation.md): compute kernels take PROFILE's times "
-                             "(a `dhelix profile --comp-only` file) x S; the default model "
-                             "becomes Llama-8B layers; no profiling (DHelix: --dhelix-profile "
-                             "or the analytic plan)")
-    parser.add_argument("--time-scale", type=float, default=None, metavar="S",
-                        help="with --gpu-emulation: kernel times x S and the link's rate "
-                             "(--bandwidth, the GPU cluster's) / S")
+    # the default model becomes a Llama-8B layer and the default link 150gbit (the
+    # compute-rich configuration); DHelix's profile is taken on the emulated GPU too
+    emulation_options.add_options(parser, "run every system's steps and DHelix's profile")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("model_args", nargs=argparse.REMAINDER,
                         help="after --: Megatron model arguments replacing the default model")

@@ -9,6 +9,10 @@ regions of every model chunk (`regions.attention_regions`, `regions.fused_norm_r
 a fresh `GpuEmulationMode`, and yields the mode (its `report()` is that call's modelled
 kernel time). The link the collectives cross must be slowed by the same S
 (`emulated_link_rate`) so computation and communication keep the GPU cluster's ratio.
+`trace_profile(path)` takes the trace (a 1-rank process of its own); `GpuEmulation.building`
+is the mode to build a model under (nothing computed, nothing touched); `EmulatedCalls`
+runs one call at a time under `emulated_call` and drains the current call's stream on
+demand (what a timer needs: `dhelix profile --gpu-emulation`, `profiler.timing.Timer`).
 TIMING ONLY: every compute kernel is faked (`mode` module docstring).
 """
 
@@ -46,6 +50,24 @@ class GpuEmulation:
 
         return fit_emulation_model(load_profile(self.profile), self.trace)
 
+    def building(self, model: KernelTimeModel | None = None) -> GpuEmulationMode:
+        """A mode that charges nothing worth waiting for (S = 1e-9, kernels of `model`,
+        default `kernel_model()`): a model built under it initialises its weights, optimizer
+        state and gradient buffers without computing or touching anything, so Llama-8B
+        layer shapes cost virtual memory only (the weights are garbage; timing only)."""
+        return GpuEmulationMode(model or self.kernel_model(), EmulationConfig(time_scale=1e-9))
+
+
+def trace_profile(profile: str, timeout_s: float = 600) -> dict:
+    """`profile_fit.trace_profile_layer` of the `dhelix profile --comp-only` file at
+    `profile`, in a 1-rank process of its own (it needs Megatron's parallel state at tp=1;
+    ~10 s at the H100 Llama-8B profile's shape). JSON-able: `GpuEmulation.trace`."""
+    from dhelix.gpu_emulation.profile_fit import trace_profile_layer
+    from dhelix.harness import run_megatron_ranks
+
+    return run_megatron_ranks(trace_profile_layer, 1, profile, timeout_s=timeout_s,
+                              env={"OMP_NUM_THREADS": "1"})[0]
+
 
 def emulated_link_rate(bits_per_s: int, time_scale: float) -> int:
     """The emulated link's rate for a GPU cluster link of `bits_per_s` at time scale S:
@@ -70,3 +92,32 @@ def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig):
             stack.enter_context(fused_norm_regions(chunk))
         with mode:
             yield mode
+
+
+class EmulatedCalls:
+    """Calls of `chunks` (a model chunk or a list of them) run one at a time under the
+    emulation, each in its own `emulated_call(chunks, model, config)` (`running()`), and
+    the current call's emulated stream drained on demand (`synchronize()`): what a timer of
+    the emulated GPU needs, as a CUDA event ends when the stream reaches it."""
+
+    def __init__(self, chunks, model: KernelTimeModel, config: EmulationConfig):
+        self.chunks, self.model, self.config = chunks, model, config
+        self._mode: GpuEmulationMode | None = None
+
+    @contextmanager
+    def running(self):
+        """One call under a fresh mode (its regions opened); leaving drains its stream."""
+        if self._mode is not None:
+            raise RuntimeError("error: EmulatedCalls.running() entered inside a running call")
+        with emulated_call(self.chunks, self.model, self.config) as mode:
+            self._mode = mode
+            try:
+                yield mode
+            finally:
+                self._mode = None
+
+    def synchronize(self) -> None:
+        """Sleep until the running call's kernels charged so far have ended (no call
+        running: nothing to wait for)."""
+        if self._mode is not None:
+            self._mode.synchronize()

@@ -44,7 +44,7 @@ def test_gpu_emulation_options_are_checked(tmp_path):
                                                     time_scale=10.0))
     profile.write_text("{}")
     chosen = ns(gpu_emulation=str(profile), time_scale=10.0)
-    assert check_gpu_emulation(chosen) is None and chosen.no_profile  # DHelix: no profiling
+    assert check_gpu_emulation(chosen) is None and not chosen.no_profile  # profiled emulated
 
 
 def test_report_labels_emulated_rows():
