@@ -57,9 +57,22 @@ def _kill_all(marker: str) -> None:
             pass
 
 
+def _alive(marker: str) -> list[psutil.Process]:
+    alive = []
+    for proc in _job_processes(marker):
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.Error:  # ended since
+            continue
+    return alive
+
+
 class Job:
     """One torchrun job of the plugin; `finish()` returns (exit code, stdout, stderr, the
-    job's processes still alive 3 s after torchrun ended)."""
+    job's processes still alive 3 s after torchrun ended: it looks every 0.2 s and stops
+    looking once none is left, since only a process of the job carries its marker, so none
+    can appear after the last one is gone)."""
 
     def __init__(self, argv: list[str], workdir: Path):
         self.marker = uuid.uuid4().hex
@@ -99,10 +112,16 @@ class Job:
             _kill_all(self.marker)
             self.proc.kill()
             raise AssertionError("job hung: " + self.err.read_text()[-3000:]) from None
-        self.wall_s = time.monotonic() - self.started
-        time.sleep(3)
-        left = [(p.pid, " ".join(p.cmdline())[:120]) for p in _job_processes(self.marker)
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        self.ended = time.monotonic()
+        self.wall_s = self.ended - self.started
+        while _alive(self.marker) and time.monotonic() < self.ended + 3:
+            time.sleep(0.2)
+        left = []
+        for proc in _alive(self.marker):
+            try:
+                left.append((proc.pid, " ".join(proc.cmdline())[:120]))
+            except psutil.Error:  # ended since
+                continue
         _kill_all(self.marker)
         return code, self.out.read_text(), self.err.read_text(), left
 
@@ -127,7 +146,7 @@ def _stop_rank_1(workdir: Path) -> dict:
     stopped_at = time.monotonic()
     code, out, err, left = job.finish()
     return {"stopped": stopped, "code": code, "err": err, "left": left,
-            "took": time.monotonic() - stopped_at - 3}
+            "took": job.ended - stopped_at}
 
 
 @pytest.fixture(scope="session", autouse=True)
