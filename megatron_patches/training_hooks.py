@@ -56,6 +56,9 @@ call to Megatron unchanged. What applies to every run, with or without `--dhelix
    running name the one that stopped answering in one `error: ...` line and end the job.
 8. The wheel's prebuilt dataset helpers are used instead of compiling them
    (`megatron_patches.compat.use_prebuilt_dataset_helpers`).
+9. Megatron's argument help texts (its config dataclasses' field docstrings, read from
+   their source by every `parse_args`) are read once per process
+   (`megatron_patches.argument_docstrings`).
 """
 
 from __future__ import annotations
@@ -336,12 +339,14 @@ def install_training_hooks() -> None:
     if hasattr(arguments.parse_args, "__dhelix_original__"):
         return
 
+    from megatron_patches.argument_docstrings import cache_field_docstrings
     from megatron_patches.checkpoint_guard import install_checkpoint_guard
     from megatron_patches.compat import use_prebuilt_dataset_helpers
     from megatron_patches.nan_stop import install_nan_stop
     from megatron_patches.stall_roll_call import install_stall_roll_call
 
     use_prebuilt_dataset_helpers()
+    cache_field_docstrings()
     install_checkpoint_guard()
     install_nan_stop()
     install_stall_roll_call()

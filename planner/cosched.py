@@ -170,13 +170,13 @@ def block_cost_table(fwd_order: Sequence[str], bwd_order: Sequence[str], costs: 
         both = np.where(valid, both, np.inf)
         table[:n, :m] = both.reshape(n, m, n + 1, m + 1)
 
-    # one strand alone: the sum of its solo times
-    for a in range(n + 1):
-        for i in range(a + 1, n + 1):
-            table[a, np.arange(m + 1), i, np.arange(m + 1)] = pf[i] - pf[a]
-    for b in range(m + 1):
-        for j in range(b + 1, m + 1):
-            table[np.arange(n + 1), b, np.arange(n + 1), j] = pb[j] - pb[b]
+    # one strand alone: the sum of its solo times (every a < i at once, then every b < j)
+    starts, ends = np.triu_indices(n + 1, k=1)
+    same = np.arange(m + 1)[None, :]
+    table[starts[:, None], same, ends[:, None], same] = (pf[ends] - pf[starts])[:, None]
+    starts, ends = np.triu_indices(m + 1, k=1)
+    same = np.arange(n + 1)[None, :]
+    table[same, starts[:, None], same, ends[:, None]] = (pb[ends] - pb[starts])[:, None]
 
     seg_f, seg_b = _mask_prefix(list(fwd_masks)), _mask_prefix(list(bwd_masks))
     clash = (seg_f[:, None, :, None] & seg_b[None, :, None, :]) != 0

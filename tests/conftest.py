@@ -14,9 +14,23 @@ environment). The README quick start (tests/test_megatron_lm_quickstart.py) give
 torchrun jobs their own environment and keeps the compiled warm-up: there `--dhelix` with
 PP=2, whose folded model replays that warm-up's draws, must log stock Megatron's losses.
 With a GPU the fusions are on and compiled, as in a user's run, so nothing is set.
+
+Tests marked `last` run after every other selected test, in their collected order
+(`pytest_collection_modifyitems`): each reads the result of a background job that a
+session-scoped fixture started with its module's first test and that spends most of its
+time idle (tests/test_megatron_lm_faults.py: a stopped rank, the other waiting out the
+one-minute collective timeout), so the tests collected after that module run during the
+wait instead of after it.
 """
 
 import os
 
 if not os.path.exists("/dev/nvidiactl"):  # `dhelix.harness`'s test for a GPU
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Move the tests marked `last` behind every other test (module docstring)."""
+    last = [item for item in items if item.get_closest_marker("last") is not None]
+    if last:
+        items[:] = [item for item in items if item.get_closest_marker("last") is None] + last

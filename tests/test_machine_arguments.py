@@ -133,3 +133,32 @@ def test_a_gpu_per_rank_keeps_nccl(parse_args, monkeypatch, capsys):
     args = _parse(parse_args, monkeypatch, gpus=2, installed=(TE, *APEX), ranks=2, rank=1)
     assert (args.distributed_backend, args.local_rank) == ("nccl", 1)
     assert _line(capsys) == []
+
+
+def test_field_docstrings_are_read_once_and_equal_megatrons(parse_args, monkeypatch):
+    """The hooked parser reads each config class's source once per process
+    (`megatron_patches.argument_docstrings`): a second parse reads no source, and every
+    help text and parsed value equals what Megatron's own reader gives."""
+    import argparse
+    import inspect
+
+    from megatron.training.argument_utils import ArgumentGroupFactory
+    from megatron.training.arguments import add_megatron_arguments
+
+    first = vars(_parse(parse_args, monkeypatch, gpus=0))
+    reads = []
+    getsource = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: reads.append(obj) or getsource(obj))
+    assert vars(_parse(parse_args, monkeypatch, gpus=0)) == first
+    assert reads == []
+    cached = ArgumentGroupFactory._get_field_docstrings
+    monkeypatch.setattr(ArgumentGroupFactory, "_get_field_docstrings",
+                        cached.__dhelix_original__)
+
+    def helps(parser):
+        return {a.dest: a.help for a in parser._actions}
+
+    uncached = helps(add_megatron_arguments(argparse.ArgumentParser()))
+    assert len(reads) > 0  # Megatron's reader really ran
+    monkeypatch.setattr(ArgumentGroupFactory, "_get_field_docstrings", cached)
+    assert helps(add_megatron_arguments(argparse.ArgumentParser())) == uncached

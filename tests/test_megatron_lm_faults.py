@@ -8,8 +8,9 @@ inherits, so a Manager or resource_tracker reparented to init is found too).
 - SIGSTOP of rank 1 (TP2, `--dhelix`: the DHelix lanes and Megatron's TP group) with
   `--distributed-timeout-minutes 1`: the job ends within the timeout plus the roll call,
   naming rank 1 (`megatron_patches.stall_roll_call`). Most of that test is the idle wait for
-  the one-minute timeout, so its job starts with the module's first test and the other
-  tests' jobs run while it waits (`stopped_rank_job`);
+  the one-minute timeout, so its job starts with the module's first test, the other
+  tests' jobs run while it waits (`stopped_rank_job`), and the test that reads it is marked
+  `last` (tests/conftest.py): the session's later tests run during the rest of the wait;
 - kill -9 of rank 1 during training with `--save` every iteration: the job ends and no
   process is left (no save Manager, `megatron_patches.checkpoint_guard`); the checkpoint it
   left, with random bytes in a shard, is refused at `--load` with one line.
@@ -56,9 +57,22 @@ def _kill_all(marker: str) -> None:
             pass
 
 
+def _alive(marker: str) -> list[psutil.Process]:
+    alive = []
+    for proc in _job_processes(marker):
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.Error:  # ended since
+            continue
+    return alive
+
+
 class Job:
     """One torchrun job of the plugin; `finish()` returns (exit code, stdout, stderr, the
-    job's processes still alive 3 s after torchrun ended)."""
+    job's processes still alive 3 s after torchrun ended: it looks every 0.2 s and stops
+    looking once none is left, since only a process of the job carries its marker, so none
+    can appear after the last one is gone)."""
 
     def __init__(self, argv: list[str], workdir: Path):
         self.marker = uuid.uuid4().hex
@@ -98,10 +112,16 @@ class Job:
             _kill_all(self.marker)
             self.proc.kill()
             raise AssertionError("job hung: " + self.err.read_text()[-3000:]) from None
-        self.wall_s = time.monotonic() - self.started
-        time.sleep(3)
-        left = [(p.pid, " ".join(p.cmdline())[:120]) for p in _job_processes(self.marker)
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        self.ended = time.monotonic()
+        self.wall_s = self.ended - self.started
+        while _alive(self.marker) and time.monotonic() < self.ended + 3:
+            time.sleep(0.2)
+        left = []
+        for proc in _alive(self.marker):
+            try:
+                left.append((proc.pid, " ".join(proc.cmdline())[:120]))
+            except psutil.Error:  # ended since
+                continue
         _kill_all(self.marker)
         return code, self.out.read_text(), self.err.read_text(), left
 
@@ -126,15 +146,17 @@ def _stop_rank_1(workdir: Path) -> dict:
     stopped_at = time.monotonic()
     code, out, err, left = job.finish()
     return {"stopped": stopped, "code": code, "err": err, "left": left,
-            "took": time.monotonic() - stopped_at - 3}
+            "took": job.ended - stopped_at}
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def stopped_rank_job(request, tmp_path_factory):
     """`_stop_rank_1` started in the background when the module's first test starts, if
     `test_stopped_rank_is_named_within_the_timeout` is selected (else None): the future
     of its result. Its job spends most of its time idle (a rank stopped, the other waiting
-    out the collective timeout), so the module's other jobs run meanwhile."""
+    out the collective timeout), so the module's other jobs, and the session's tests
+    collected after this module, run meanwhile (session scope: the fixture lives until the
+    test marked `last` reads it)."""
     if not any(item.name == "test_stopped_rank_is_named_within_the_timeout"
                for item in request.session.items):
         yield None
@@ -181,10 +203,12 @@ def test_killed_rank_leaves_no_process_and_a_damaged_save_is_refused(workdir):
         f"{', '.join(map(str, earlier))})"], err[-3000:]
 
 
+@pytest.mark.last
 def test_stopped_rank_is_named_within_the_timeout(stopped_rank_job):
     """TP2 with --dhelix: rank 0 waits in a DHelix lane (a clone of Megatron's TP group,
     given --distributed-timeout-minutes by the plugin) or Megatron's TP group. The job is
-    `stopped_rank_job`'s, started with the module's first test (this test comes last)."""
+    `stopped_rank_job`'s, started with the module's first test (this test runs after every
+    other test of the session)."""
     result = stopped_rank_job.result()
     stopped, code, err, left, took = (result[k] for k in ("stopped", "code", "err", "left",
                                                             "took"))
