@@ -16,13 +16,15 @@ fused bias-activation kernels, ...) behaves exactly as in Megatron:
 A bypass stands in for a linear module for the duration of one call and returns what that
 module would have returned had its GEMM produced the given tensor: `(tensor, bias if the
 module skips its bias add else None)`. The original module is restored before returning,
-also on error.
+also on error. Each linear module gets one bypass, built at its first call and reused
+(`bypass_of`): it holds the module's bias parameter (the module's own), and between calls
+no tensor and no callable.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import torch
 
@@ -30,17 +32,18 @@ import torch
 class _LinearBypass(torch.nn.Module):
     """Stands in for a ColumnParallelLinear/RowParallelLinear whose GEMM already ran.
 
-    Returns its input as the GEMM output, or - with `take` - the tensor `take()` hands over,
-    ignoring the input: then the caller's frames never hold the GEMM output, and it is freed
-    as soon as Megatron's code stops using it, exactly as the real linear's output would be.
+    Returns its input as the GEMM output, or - while `take` is set - the tensor `take()`
+    hands over, ignoring the input: then the caller's frames never hold the GEMM output, and
+    it is freed as soon as Megatron's code stops using it, exactly as the real linear's
+    output would be.
     """
 
-    def __init__(self, original: torch.nn.Module, take: Optional[Callable] = None):
+    def __init__(self, original: torch.nn.Module):
         super().__init__()
         # Plain attributes (object.__setattr__): the bypass must not register the
         # original's parameters as its own.
         object.__setattr__(self, "_bias", original.bias if original.skip_bias_add else None)
-        object.__setattr__(self, "_take", take)
+        object.__setattr__(self, "_take", None)
 
     def forward(self, gemm_output, *args, **kwargs):  # noqa: ARG002 - linear signature
         if self._take is not None:
@@ -48,16 +51,30 @@ class _LinearBypass(torch.nn.Module):
         return gemm_output, self._bias
 
 
+def bypass_of(original: torch.nn.Module) -> _LinearBypass:
+    """The linear module `original`'s bypass, built once (kept in the module's `__dict__`,
+    outside its submodules and parameters, so it changes nothing torch or Megatron sees)."""
+    bypass = original.__dict__.get("_dhelix_bypass")
+    if bypass is None:
+        bypass = _LinearBypass(original)
+        object.__setattr__(original, "_dhelix_bypass", bypass)
+    return bypass
+
+
 @contextlib.contextmanager
 def _bypassed(module: torch.nn.Module, **takes) -> Iterator[None]:
-    """Replace the named linear submodules by bypasses (`name=None` or `name=take`)."""
+    """Replace the named linear submodules by their bypasses (`name=None` or
+    `name=take`)."""
     originals = {name: getattr(module, name) for name in takes}
     try:
         for name, original in originals.items():
-            setattr(module, name, _LinearBypass(original, takes[name]))
+            bypass = bypass_of(original)
+            object.__setattr__(bypass, "_take", takes[name])
+            setattr(module, name, bypass)
         yield
     finally:
         for name, original in originals.items():
+            object.__setattr__(bypass_of(original), "_take", None)
             setattr(module, name, original)
 
 

@@ -91,9 +91,11 @@ def check_supported_layer(layer) -> None:
 class LayerBinding:
     """A checked TransformerLayer plus what the kernels need from it.
 
-    `module(path)` returns the layer's own submodule at a dotted path; `tp_group` is the
-    layer's tensor-parallel process group. The binding holds a reference to the layer and
-    nothing else (no tensors).
+    `module(path)` returns the layer's own submodule at a dotted path, `own_params(path,
+    exclude)` its parameters outside some children; `tp_group` is the layer's
+    tensor-parallel process group. The binding holds a reference to the layer and caches of
+    the layer's own submodules and parameter lists (looked up once: a bound layer's module
+    tree and parameter objects do not change), nothing else (no tensors of its own).
     """
 
     def __init__(self, layer):
@@ -102,6 +104,7 @@ class LayerBinding:
         self.config = layer.config
         self.tp_group = layer.pg_collection.tp
         self._modules: dict[str, torch.nn.Module] = {}
+        self._params: dict[tuple, tuple] = {}
 
     @property
     def attention(self) -> str:
@@ -116,6 +119,18 @@ class LayerBinding:
         if found is None:
             found = self.layer.get_submodule(path) if path else self.layer
             self._modules[path] = found
+        return found
+
+    def own_params(self, path: str, exclude: tuple = ()) -> tuple:
+        """The parameters of the submodule at `path` (in `parameters()` order) that do not
+        belong to its child modules named in `exclude`."""
+        key = (path, exclude)
+        found = self._params.get(key)
+        if found is None:
+            module = self.module(path)
+            skip = {id(p) for name in exclude for p in getattr(module, name).parameters()}
+            found = self._params[key] = tuple(p for p in module.parameters()
+                                              if id(p) not in skip)
         return found
 
     def group(self, role: str):

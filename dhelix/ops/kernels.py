@@ -135,12 +135,6 @@ class AllReduce(Kernel):
 
 
 # ------------------------------------------------- traced (non-GEMM) regions
-def _own_params(module, exclude=()):
-    """Parameters of `module` outside the excluded child modules."""
-    skip = {id(p) for name in exclude for p in getattr(module, name).parameters()}
-    return [p for p in module.parameters() if id(p) not in skip]
-
-
 def _put_traced(op, state, outputs, graph):
     (output,) = outputs
     state.put(op.outputs[0], output)
@@ -168,7 +162,8 @@ class NormForward(Kernel):
             return norm(x), x.view_as(x)
 
         (output, _residual), graph = LocalGraph.trace(
-            op.id, region, {"x": state.take(op.inputs[0])}, list(norm.parameters())
+            op.id, region, {"x": state.take(op.inputs[0])},
+            state.binding.own_params(op.attrs["module"])
         )
         state.put(op.outputs[0], output)
         state.put(op.outputs[1], graph)
@@ -186,7 +181,8 @@ class AttentionForward(Kernel):
         mixed_qkv, mask, rotary = (state.take(name) for name in op.inputs)
         outputs, graph = LocalGraph.trace(
             op.id, lambda inputs, **kw: attention_core(attn, inputs.pop("x"), **kw),
-            {"x": mixed_qkv}, _own_params(attn, ("linear_qkv", "linear_proj")),
+            {"x": mixed_qkv},
+            state.binding.own_params(op.attrs["module"], ("linear_qkv", "linear_proj")),
             attention_mask=mask, rotary_pos_emb=rotary,
         )
         _put_traced(op, state, outputs, graph)
@@ -203,7 +199,8 @@ class ActivationForward(Kernel):
 
     def run(self, op, state):
         mlp = state.binding.module(op.attrs["module"])
-        params = [mlp.linear_fc1.bias, *_own_params(mlp, ("linear_fc1", "linear_fc2"))]
+        params = (mlp.linear_fc1.bias,
+                  *state.binding.own_params(op.attrs["module"], ("linear_fc1", "linear_fc2")))
         outputs, graph = LocalGraph.trace(
             op.id, lambda inputs: mlp_activation(mlp, lambda: inputs.pop("x")),
             {"x": state.take(op.inputs[0])}, params,

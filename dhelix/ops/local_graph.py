@@ -8,9 +8,11 @@ graph saves for the same code (the operator's inputs are entered through a node 
 nothing, and only gradient *edges* are kept, never the output tensors), so activation
 memory matches Megatron's.
 
-Parameter gradients always reach the parameters through their autograd accumulator node
-(`deliver_param_grads`, which computes them inside the autograd engine, as a Megatron
-backward function does): `param.grad` accumulates as autograd would (taking the gradient
+Parameter gradients always reach the parameters through their autograd accumulator node,
+inside the autograd engine, as in Megatron's own backward: a local graph's in the one engine
+call that runs the graph backward (which also yields the input gradients), a GEMM's through
+`deliver_param_grads` (which computes them inside the engine, as a Megatron backward
+function does). `param.grad` accumulates as autograd would (taking the gradient
 tensor itself when it was None, so no copy), and every hook registered on the accumulator -
 Megatron DDP's backward post-hook, which adds `param.grad` into `param.main_grad`, clears
 `param.grad` and (with overlap_grad_reduce) marks the parameter ready for its bucket's grad
@@ -20,23 +22,29 @@ sync - fires exactly as in Megatron's own backward.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
+from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 class _Entry(torch.autograd.Function):
     """Identity that starts a local graph: saves nothing, so entering a tensor does not
-    keep it alive; its gradient edge is where the input gradient is read."""
+    keep it alive. Its backward writes the gradient of the entered tensor into the graph's
+    `sink` under `key` (None when no gradient reached it) and passes nothing on: the local
+    graph ends here."""
 
     @staticmethod
-    def forward(ctx, tensor, anchor):  # noqa: ARG004 - anchor only makes the output require grad
+    def forward(ctx, tensor, anchor, sink, key):  # noqa: ARG004 - anchor only makes the output require grad
+        ctx.sink, ctx.key = sink, key
+        ctx.set_materialize_grads(False)
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        ctx.sink[ctx.key] = grad
+        return None, None, None, None
 
 
 _ANCHORS: dict = {}
@@ -48,29 +56,46 @@ def _anchor(device: torch.device) -> torch.Tensor:
     node returns None for it). One per thread and device, so concurrent executors never
     share autograd state."""
     key = (threading.get_ident(), device)
-    with _ANCHOR_LOCK:
-        anchor = _ANCHORS.get(key)
-        if anchor is None:
-            anchor = _ANCHORS[key] = torch.zeros((), device=device, requires_grad=True)
+    anchor = _ANCHORS.get(key)
+    if anchor is None:
+        with _ANCHOR_LOCK:
+            anchor = _ANCHORS.get(key)
+            if anchor is None:
+                anchor = _ANCHORS[key] = torch.zeros((), device=device, requires_grad=True)
     return anchor
+
+
+def _run_engine(roots: tuple, grads: tuple, inputs: tuple) -> None:
+    """One autograd engine call from `roots` (gradient edges or tensors) with `grads`,
+    accumulating into the leaves `inputs` (every node on a path to them runs, hooks
+    included). What `torch.autograd.backward(roots, grads, inputs=inputs)` does, without its
+    Python-side re-checking of the gradients (megatron-core's `custom_backward` calls the
+    engine the same way): callers pass gradients whose shapes the operator programs checked
+    when they were produced."""
+    Variable._execution_engine.run_backward(roots, grads, False, False, inputs, True, True)
 
 
 class LocalGraph:
     """The recorded autograd graph of one operator, owned by the execution state from the
     forward operator that traced it until the backward operator that consumes it.
 
-    Holds only gradient edges and the parameter list; the tensors the graph needs are held by
-    the autograd nodes themselves and are freed by `backward` (or `release`).
+    Holds only the output gradient edges, the parameter list and the sink the entry nodes
+    write the input gradients into; the tensors the graph needs are held by the autograd
+    nodes themselves and are freed by `backward` (or `release`).
     """
 
-    __slots__ = ("name", "_input_edges", "_output_edges", "_params", "_used")
+    __slots__ = ("name", "_names", "_sink", "_output_edges", "_leaves", "_used")
 
-    def __init__(self, name: str, input_edges: Mapping[str, GradientEdge],
-                 output_edges: Sequence[GradientEdge], params: Sequence[torch.nn.Parameter]):
+    def __init__(self, name: str, names: Sequence[str], sink: dict,
+                 output_edges: Sequence[GradientEdge], params: Sequence[torch.nn.Parameter],
+                 anchor: torch.Tensor):
         self.name = name
-        self._input_edges = dict(input_edges)
-        self._output_edges = list(output_edges)
-        self._params = list(params)
+        self._names = tuple(names)
+        self._sink = sink
+        self._output_edges = tuple(output_edges)
+        # the engine runs every node on a path to these leaves: the parameters'
+        # accumulators, and (through the entry nodes) the anchor's, which gets nothing
+        self._leaves = (*params, anchor)
         self._used = False
 
     @classmethod
@@ -90,12 +115,10 @@ class LocalGraph:
         with torch.enable_grad():
             devices = [t.device for t in grad_inputs.values()] or [torch.device("cpu")]
             anchor = _anchor(devices[0])
-            entered, input_edges = {}, {}
-            for key in list(grad_inputs):
-                tensor = _Entry.apply(grad_inputs.pop(key), anchor)
-                input_edges[key] = get_gradient_edge(tensor)
-                entered[key] = tensor
-                del tensor
+            sink: dict = {}
+            names = list(grad_inputs)
+            entered = {key: _Entry.apply(grad_inputs.pop(key), anchor, sink, key)
+                       for key in names}
             result = fn(entered, **constant_inputs)
             entered.clear()
             outputs = result if isinstance(result, tuple) else (result,)
@@ -104,44 +127,34 @@ class LocalGraph:
                 if not out.requires_grad:
                     raise RuntimeError(f"{name}: an output of the traced operator does not "
                                        "depend on its inputs or parameters")
-            graph = cls(name, input_edges, [get_gradient_edge(out) for out in outputs],
-                        [p for p in params if p is not None and p.requires_grad])
+            graph = cls(name, names, sink, [get_gradient_edge(out) for out in outputs],
+                        [p for p in params if p is not None and p.requires_grad], anchor)
         return tuple(out.detach() for out in outputs), graph
 
     def backward(self, grad_outputs: list) -> dict:
-        """Run the graph backward once. Takes the gradient tensors (the list is emptied);
-        returns {input name: gradient} and delivers the parameter gradients as
-        `deliver_param_grads` does. Frees the graph and what it saved."""
+        """Run the graph backward once, in one autograd engine call. Takes the gradient
+        tensors (the list is emptied); returns {input name: gradient, None where none
+        reached it}. The parameter gradients reach the parameters' accumulators inside that
+        call, as in Megatron's own backward (see the module docstring). Frees the graph and
+        what it saved."""
         if self._used:
             raise RuntimeError(f"local graph {self.name} was already run backward")
         self._used = True
-        names = list(self._input_edges)
-        targets = [self._input_edges[n] for n in names] + self._params
-        input_grads: dict = {}
-
-        output_grads = list(grad_outputs)
+        output_grads = tuple(grad_outputs)
         grad_outputs.clear()
-
-        def compute():
-            grads = list(torch.autograd.grad(self._output_edges, targets, output_grads,
-                                             allow_unused=True))
-            output_grads.clear()
-            for name in names:
-                input_grads[name] = grads.pop(0)
-            return grads
-
-        if self._params:
-            deliver_param_grads(self._params, compute)
-        else:
-            compute()
+        roots, self._output_edges = self._output_edges, ()
+        _run_engine(roots, output_grads, self._leaves)
+        del roots, output_grads
+        sink = self._sink
+        input_grads = {name: sink.pop(name, None) for name in self._names}
         self.release()
         return input_grads
 
     def release(self) -> None:
         """Drop the edges (the autograd nodes, and the tensors they saved, go with them)."""
-        self._input_edges.clear()
-        self._output_edges.clear()
-        self._params = []
+        self._output_edges = ()
+        self._leaves = ()
+        self._sink.clear()
 
 
 class _Deliver(torch.autograd.Function):
@@ -180,4 +193,4 @@ def deliver_param_grads(params: Sequence[torch.nn.Parameter],
     wanted = [p for p, keep in zip(params, mask) if keep]
     with torch.enable_grad():
         carrier = _Deliver.apply(compute, mask, *wanted)
-    torch.autograd.backward(carrier, carrier.new_empty(0))
+    _run_engine((carrier,), (carrier.new_empty(0),), ())

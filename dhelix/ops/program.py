@@ -152,6 +152,8 @@ class LayerPrograms:
                     raise ValueError(f"{value!r} is produced but never read: the execution "
                                      "would hold it forever")
         self.consumers = {name: frozenset(ops) for name, ops in consumers.items()}
+        # how many operators read each value (an operator reads a value at most once)
+        self.consumer_counts = {name: len(ops) for name, ops in consumers.items()}
         self.saved = tuple(v for v in backward.inputs if v in forward.producers)
 
     def program(self, direction: str) -> Program:

@@ -76,10 +76,12 @@ class LayerExecution:
         self.binding = bound.binding
         self.programs = bound.programs
         self._values: dict = {}
-        self._remaining = {name: set(ops) for name, ops in self.programs.consumers.items()}
+        # value name -> how many of its readers have not run yet
+        self._remaining = dict(self.programs.consumer_counts)
         self._done: set[str] = set()
         self._phase = "idle"
-        self._running: Optional[str] = None
+        self._program = None  # the program of the current direction, while one runs
+        self._running = None  # the Operator running now
         # (group role, channel, strand slot) -> process group replacing the layer's own group
         # for the collectives of that channel (the executor's communication lanes); empty =
         # none. `strand_slot` (0 or 1) is set by the executor: the strand this execution
@@ -107,8 +109,8 @@ class LayerExecution:
         """`get` for the running operator; if it is the value's last reader, the state
         drops its reference now (the kernel's reference is then the only one)."""
         value = self.get(name)
-        remaining = self._remaining[name]
-        if self._running is not None and remaining == {self._running}:
+        running = self._running
+        if running is not None and self._remaining[name] == 1 and name in running.inputs:
             del self._values[name]
         return value
 
@@ -118,7 +120,7 @@ class LayerExecution:
         if info.kind == "tensor":
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"value {name!r} must be a tensor, got {type(value).__name__}")
-            if tuple(value.shape) != info.shape:
+            if value.shape != info.shape:
                 raise RuntimeError(
                     f"value {name!r} has shape {tuple(value.shape)} but the program expects "
                     f"{info.shape} ({self.bound.description.summary()})"
@@ -162,7 +164,7 @@ class LayerExecution:
 
     def wait_inputs(self, op_id: str) -> None:
         """Wait for every pending collective `op_id` reads (so running it will not block)."""
-        program = self.programs.program(self._phase)
+        program = self._program or self.programs.program(self._phase)
         for name in program[op_id].inputs:
             if isinstance(self._values.get(name), _Pending):
                 self.get(name)
@@ -170,7 +172,7 @@ class LayerExecution:
     def op_ready(self, op_id: str) -> bool:
         """True if running `op_id` now would not block on a pending collective: every input
         it reads is either computed or a collective whose work has completed."""
-        program = self.programs.program(self._phase)
+        program = self._program or self.programs.program(self._phase)
         for name in program[op_id].inputs:
             value = self._values.get(name)
             if isinstance(value, _Pending) and not value.work.is_completed():
@@ -208,7 +210,7 @@ class LayerExecution:
         self.put("x", x)
         self.put("attention_mask", attention_mask)
         self.put("rotary_pos_emb", rotary_pos_emb)
-        self._phase = "fwd"
+        self._phase, self._program = "fwd", self.programs.forward
 
     def end_forward(self) -> torch.Tensor:
         """Hand over the layer output; all forward ops must have run."""
@@ -218,7 +220,7 @@ class LayerExecution:
         """Hand in the gradient of the layer output."""
         self._expect_phase("between", "begin_backward")
         self.put("d.y", grad_output)
-        self._phase = "bwd"
+        self._phase, self._program = "bwd", self.programs.backward
 
     def end_backward(self) -> torch.Tensor:
         """Hand over the gradient of the layer input; all backward ops must have run, and
@@ -230,29 +232,35 @@ class LayerExecution:
 
     def run(self, op_id: str) -> None:
         """Run one operator of the current direction; its deps must have run."""
-        program = self.programs.program(self._phase) if self._phase in ("fwd", "bwd") else None
+        program = self._program
         if program is None:
             raise RuntimeError(f"cannot run {op_id!r}: no program in progress ({self._phase})")
         try:
             op = program[op_id]
         except KeyError:
             raise KeyError(f"{op_id!r} is not an operator of the {self._phase} program") from None
-        if op_id in self._done:
+        done = self._done
+        if op_id in done:
             raise RuntimeError(f"operator {op_id!r} already ran")
-        missing = [dep for dep in op.deps if dep not in self._done]
-        if missing:
-            raise RuntimeError(f"operator {op_id!r} runs before its dependencies {missing}")
-        self._running = op_id
+        for dep in op.deps:
+            if dep not in done:
+                missing = [d for d in op.deps if d not in done]
+                raise RuntimeError(f"operator {op_id!r} runs before its dependencies {missing}")
+        kernel = get_kernel(op.kernel)
+        self._running = op
         try:
-            with torch.no_grad():
-                get_kernel(op.kernel).run(op, self)
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    kernel.run(op, self)
+            else:  # the caller already turned autograd off (a block of the strand executor)
+                kernel.run(op, self)
         finally:
             self._running = None
-        self._done.add(op_id)
+        done.add(op_id)
+        remaining = self._remaining
         for name in op.inputs:
-            remaining = self._remaining[name]
-            remaining.discard(op_id)
-            if not remaining:
+            remaining[name] -= 1
+            if not remaining[name]:
                 self._values.pop(name, None)
 
     # ------------------------------------------------------------ helpers
@@ -270,7 +278,7 @@ class LayerExecution:
         del self._values[output]
         if self.pending_values():
             raise RuntimeError(f"communication never waited on: {self.pending_values()}")
-        self._phase = next_phase
+        self._phase, self._program = next_phase, None
         return result
 
 

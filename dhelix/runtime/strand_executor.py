@@ -32,9 +32,12 @@ matched), and the two strands never share state: tensors belong to their own
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -46,21 +49,32 @@ class Block:
     bwd: tuple
 
 
+@functools.lru_cache(maxsize=256)
+def _segment(program, ops: tuple) -> tuple:
+    """(kind of each op id, computation operators left before the next collective at each
+    position) of the segment `ops` of `program`; programs are immutable and shared by
+    equal layers, so one entry serves every layer and micro-batch."""
+    kinds = {op_id: program[op_id].kind for op_id in ops}
+    to_comm = [0] * (len(ops) + 1)
+    to_comm[-1] = len(ops) + 1
+    for i in range(len(ops) - 1, -1, -1):
+        to_comm[i] = 0 if kinds[ops[i]] == "comm" else to_comm[i + 1] + 1
+    return kinds, tuple(to_comm)
+
+
 class _Strand:
-    def __init__(self, execution, ops: Sequence[str], slot: int):
+    def __init__(self, execution, ops: tuple, slot: int):
         self.execution = execution
         execution.strand_slot = slot  # its collectives go to this strand's lanes
-        self.ops = list(ops)
+        self.ops = ops
         self.next = 0
-        self.kinds = {}
-        if ops:
-            program = execution.programs.program(execution.phase)
-            self.kinds = {op_id: program[op_id].kind for op_id in ops}
-        # computation operators left before the strand's next collective, per position
-        self.to_comm = [0] * (len(self.ops) + 1)
-        self.to_comm[-1] = len(self.ops) + 1
-        for i in range(len(self.ops) - 1, -1, -1):
-            self.to_comm[i] = 0 if self.kinds[self.ops[i]] == "comm" else self.to_comm[i + 1] + 1
+        # kinds by op id; computation operators left before the strand's next collective,
+        # per position
+        program = execution.programs.program(execution.phase)
+        try:
+            self.kinds, self.to_comm = _segment(program, ops)
+        except TypeError:  # a program that cannot be a cache key (a test's plain dict)
+            self.kinds, self.to_comm = _segment.__wrapped__(program, ops)
 
     def done(self) -> bool:
         return self.next >= len(self.ops)
@@ -94,8 +108,19 @@ def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
     backward; two executions in the same direction work alike). Either side may be empty
     or None (a segment running alone). `timeline` (a `dhelix.runtime.timeline.Timeline`)
     records what the compute thread did; None records nothing."""
-    strands = [s for s in (_Strand(fwd_execution, block.fwd, 0) if block.fwd else None,
-                           _Strand(bwd_execution, block.bwd, 1) if block.bwd else None) if s]
+    strands = [s for s in (_Strand(fwd_execution, tuple(block.fwd), 0) if block.fwd else None,
+                           _Strand(bwd_execution, tuple(block.bwd), 1) if block.bwd else None)
+               if s]
+    with torch.no_grad():  # what every operator runs under (LayerExecution.run), set once
+        _run_strands(strands, timeline)
+    if barrier:
+        with _span(timeline, "barrier", "block end"):
+            for strand in strands:
+                strand.execution.wait_pending()
+
+
+def _run_strands(strands: list, timeline) -> None:
+    """Run the strands' operators to the end, in the order the module docstring states."""
     turn = 0
     while any(not s.done() for s in strands):
         for strand in strands:
@@ -111,10 +136,6 @@ def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
         strand = candidates[turn % len(candidates)]
         strand.run_head(timeline)
         turn += 1
-    if barrier:
-        with _span(timeline, "barrier", "block end"):
-            for strand in strands:
-                strand.execution.wait_pending()
 
 
 def run_blocks(fwd_execution, bwd_execution, blocks: Sequence[Block],
