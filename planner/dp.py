@@ -21,7 +21,8 @@ With a memory bound (`planner.memory.MemoryBound`), every block whose worst case
 any interleaving of its segments) exceeds the budget is masked out. The path "all of B, then
 all of F" of the program orders fits the budget by its definition, so the bounded search
 still has a plan, and its time still never exceeds the sequential time; an order pair with
-no path inside the budget is skipped. The search runs this DP for every pair of candidate orders
+no path inside the budget is skipped, and so is an order in which a value's last reader is
+not the one of program order (`planner.memory.frees_as_measured`). The search runs this DP for every pair of candidate orders
 (`planner.orders`) and keeps the fastest plan; on ties, the one with the least movement.
 """
 
@@ -36,7 +37,7 @@ from dhelix.dag import OpDAG
 from planner.blocks import Block, Pairing, merge_solo_runs
 from planner.cosched import block_cost_table, op_masks
 from planner.costs import CostModel
-from planner.memory import MemoryBound, block_peak_table
+from planner.memory import MemoryBound, block_peak_table, frees_as_measured
 from planner.orders import candidate_orders
 
 _TIE = 1e-9  # relative margin a later candidate must beat the best by
@@ -89,6 +90,9 @@ def dp_search(fwd: OpDAG, bwd: OpDAG, costs: CostModel, max_orders: int = 64,
     started = time.perf_counter()
     fwd_orders = candidate_orders(fwd, max_orders, wgrad_move)
     bwd_orders = candidate_orders(bwd, max_orders, wgrad_move)
+    if memory is not None:  # orders whose frees happen where they were measured
+        fwd_orders = [o for o in fwd_orders if frees_as_measured(fwd, o)]
+        bwd_orders = [o for o in bwd_orders if frees_as_measured(bwd, o)]
     ops_f, ops_b = fwd.by_id(), bwd.by_id()
     best_ms, best = np.inf, None
     for f_order in fwd_orders:

@@ -10,8 +10,9 @@ Model (`OpMemory`, measured once per run by `dhelix.ops.memory_profile`): per op
 bytes it leaves live (`delta`: its outputs kept for later readers minus the inputs it was
 the last reader of) and its transient (`transient`: the most it holds above the live bytes
 it started from while it runs, its temporaries and outputs together). An op's delta is
-taken as the same in every candidate order (measured in program order; moving a weight
-gradient op moves its frees with it, which is what the delta attributes to it).
+taken as the same in every candidate order: it is measured in program order, and the bounded
+search uses only orders in which every value is last read by the same op as there
+(`frees_as_measured`; moving a weight-gradient op later moves its frees with it).
 
 For an order, `L[k]` is the live bytes after its first k ops (relative to the strand's
 start) and `P[k]` the most during op k (`L[k-1] + transient`). Only one operator runs at a
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
+
+from dhelix.dag import topological_sort
 
 MIB = 2 ** 20
 
@@ -150,3 +153,22 @@ def pairing_peak(pairing, fwd: OpMemory, bwd: OpMemory) -> float:
         i, j = i + len(block.fwd), j + len(block.bwd)
         worst = max(worst, float(table[i, j, a, b]))
     return worst
+
+
+def frees_as_measured(dag, order: Sequence[str]) -> bool:
+    """True if, in `order`, every op's outputs are last read by the same op as in program
+    order (`dhelix.dag.topological_sort`), where the measurement attributed their free.
+    Moving a reader after the measured last reader (a weight-gradient op before its
+    data-gradient op) would free later than `OpMemory.delta` says; the bounded search
+    skips such orders. Readers are taken from the DAG's deps (an op reads its deps'
+    outputs)."""
+    program = {op: k for k, op in enumerate(topological_sort(dag))}
+    position = {op: k for k, op in enumerate(order)}
+    readers: dict = {}
+    for op in dag.ops:
+        for dep in op.deps:
+            readers.setdefault(dep, []).append(op.id)
+    for ops in readers.values():
+        if max(ops, key=program.__getitem__) != max(ops, key=position.__getitem__):
+            return False
+    return True

@@ -17,6 +17,7 @@ from planner.dp import dp_search
 from planner.memory import (
     OpMemory,
     block_peak_table,
+    frees_as_measured,
     live_and_peak,
     make_bound,
     pairing_peak,
@@ -144,3 +145,12 @@ def test_bounded_search_keeps_the_guarantees(seed):
         assert pairing_violation(fwd, bwd, result.pairing) is None
         assert pairing_peak(result.pairing, mem_f, mem_b) <= bound.budget_bytes
         assert free.planned_ms - 1e-9 <= result.planned_ms <= costs.sequential_ms() + 1e-9
+
+
+def test_orders_that_move_a_free_are_recognised():
+    # b2 and b3 both read b1's output; program order frees it at b3
+    bwd = OpDAG("bwd", [OpNode("b1", "comp", "compute", (), "k1", False, "gemm"),
+                        OpNode("b2", "comp", "compute", ("b1",), "k2", True, "gemm"),
+                        OpNode("b3", "comp", "compute", ("b1",), "k3", False, "gemm")])
+    assert frees_as_measured(bwd, ["b1", "b2", "b3"])
+    assert not frees_as_measured(bwd, ["b1", "b3", "b2"])  # b2 moved after the last reader
