@@ -77,13 +77,24 @@ def measure_peak(fn: Callable[[], object]) -> Tuple[object, MemoryReading]:
         torch.cuda.synchronize()
         peak = int(torch.cuda.max_memory_allocated() - before)
         return result, MemoryReading(peak, peak)
+    result = []
+    events, caller_tid, _ = _profiled([lambda: result.append(fn())])
+    return result[0], MemoryReading(_replay(events), _replay(events, keep_tid=caller_tid))
+
+
+def _profiled(steps):
+    """Run the callables `steps` under the profiler, each in its own marked range. Returns
+    (allocation events (time, size, ptr, tid) in time order, the calling thread's id, each
+    step's (start_ns, end_ns))."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(_MARK):
-            result = fn()
-    events, caller_tid = [], None
+            for number, fn in enumerate(steps):
+                with record_function(f"{_MARK}.{number}"):
+                    fn()
+    events, caller_tid, bounds = [], None, {}
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -92,11 +103,13 @@ def measure_peak(fn: Callable[[], object]) -> Tuple[object, MemoryReading]:
             events.append((node.start_time_ns, fields.alloc_size, fields.ptr, node.start_tid))
         elif node.name == _MARK:
             caller_tid = node.start_tid
+        elif node.name.startswith(_MARK + "."):
+            bounds[int(node.name.rsplit(".", 1)[1])] = (node.start_time_ns, node.end_time_ns)
         stack.extend(node.children)
-    events.sort(key=lambda e: e[0])
-    if caller_tid is None:
+    if caller_tid is None or sorted(bounds) != list(range(len(steps))):
         raise RuntimeError("profiler recorded no marker for the measured call")
-    return result, MemoryReading(_replay(events), _replay(events, keep_tid=caller_tid))
+    events.sort(key=lambda e: e[0])
+    return events, caller_tid, [bounds[k] for k in range(len(steps))]
 
 
 def _replay_steps(events, keep_tid, bounds) -> list[tuple[int, int]]:
@@ -153,27 +166,5 @@ def measure_steps(steps) -> list[tuple[int, int]]:
             out.append((torch.cuda.memory_allocated() - base,
                         torch.cuda.max_memory_allocated() - base))
         return out
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function(_MARK):
-            for number, fn in enumerate(steps):
-                with record_function(f"{_MARK}.{number}"):
-                    fn()
-    events, caller_tid, bounds = [], None, {}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size, fields.ptr, node.start_tid))
-        elif node.name == _MARK:
-            caller_tid = node.start_tid
-        elif node.name.startswith(_MARK + "."):
-            bounds[int(node.name.rsplit(".", 1)[1])] = (node.start_time_ns, node.end_time_ns)
-        stack.extend(node.children)
-    if caller_tid is None or sorted(bounds) != list(range(len(steps))):
-        raise RuntimeError("profiler recorded no marker for the measured steps")
-    events.sort(key=lambda e: e[0])
-    return _replay_steps(events, caller_tid, [bounds[k] for k in range(len(steps))])
+    events, caller_tid, bounds = _profiled(steps)
+    return _replay_steps(events, caller_tid, bounds)

@@ -6,7 +6,7 @@ layer L-1-l of micro-batch i) the two micro-batches hold L layers of saved activ
 Megatron's schedule does when its backward starts. Everything the pair's forward allocates
 before its backward has freed the same is on top of that.
 
-Model (`OpMemory`, measured once per run by `dhelix.ops.memory_profile`): per operator, the
+Model (`OpMemory`, measured once per run by `dhelix.runtime.memory_profile`): per op, the
 bytes it leaves live (`delta`: its outputs kept for later readers minus the inputs it was
 the last reader of) and its transient (`transient`: the most it holds above the live bytes
 it started from while it runs, its temporaries and outputs together). An op's delta is

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dhelix.dag import save_dag, topological_sort
 from dhelix.devices import model_device
-from dhelix.ops.memory_profile import measure_op_memory
+from dhelix.runtime.memory_profile import measure_op_memory
 from dhelix.ops.runner import BoundLayer
 from dhelix.options import SEQUENTIAL, DHelixOptions, DHelixRun
 from dhelix.parallel import Job
@@ -173,7 +173,7 @@ def _load_run_plan(options: DHelixOptions, expected: dict, fwd, bwd):
 
 def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layer, fwd, bwd):
     """The DP's memory bound for this run (`planner.memory`), from one layer's operators
-    measured now (`dhelix.ops.memory_profile`, collective over the world); None with
+    measured now (`dhelix.runtime.memory_profile`, collective over the world); None with
     `--dhelix-no-memory-bound` or for a pairer other than dp (the baselines are not
     searched)."""
     margin = run.options.memory_margin_mib
