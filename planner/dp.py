@@ -22,8 +22,10 @@ any interleaving of its segments) exceeds the budget is masked out. The path "al
 all of F" of the program orders fits the budget by its definition, so the bounded search
 still has a plan, and its time still never exceeds the sequential time; an order pair with
 no path inside the budget is skipped, and so is an order in which a value's last reader is
-not the one of program order (`planner.memory.frees_as_measured`). The search runs this DP for every pair of candidate orders
-(`planner.orders`) and keeps the fastest plan; on ties, the one with the least movement.
+not the one of program order (`planner.memory.frees_as_measured`).
+
+The search runs this DP for every pair of candidate orders (`planner.orders`) and keeps the
+fastest plan; on ties, the one with the least movement.
 """
 
 from __future__ import annotations
