@@ -1,9 +1,11 @@
 """Peak memory of one --dhelix forward/backward stays within Megatron's schedule's peak
-x 1.03 plus one layer's saved activations plus the tied word-embedding gradient the
-output layer's backward hands over to the embedding's (`megatron_patches.tied_embedding`:
-one vocab/TP x hidden fp32 tensor held per micro-batch, so the two halves are summed as
-stock's single backward sums them) (tensor storage allocated by the compute thread,
-dhelix.memtrace), on the tiny model with TP=2 + SP and 4 micro-batches. Both systems are
+x 1.05 (tensor storage allocated by the compute thread, dhelix.memtrace), on the tiny model
+with TP=2 + SP and 4 micro-batches: the DP's memory bound (`planner.memory`) keeps each layer
+pair's forward allocations behind its backward's frees, so what DHelix holds beyond
+Megatron is outside the layers - the next micro-batch's embedding output and the tied
+word-embedding gradient the output layer's backward hands over to the embedding's
+(`megatron_patches.tied_embedding`: one vocab/TP x hidden fp32 tensor held per
+micro-batch), about 2% here (measured 1.000x / 1.016x on ranks 0 / 1). Both systems are
 `megatron.training.pretrain` set-ups in the benchmark's process (the step harness), share
 Megatron's groups and start from the same weights and data: their first steps' losses agree."""
 
@@ -21,19 +23,18 @@ TP = 2
 
 def test_dhelix_peak_memory_within_bound():
     model = tiny_model()
-    hidden = int(model[model.index("--hidden-size") + 1])
     args = [*model, "--tensor-model-parallel-size", str(TP), "--sequence-parallel",
             "--seq-length", "128", "--max-position-embeddings", "128"]
     results = run_on_ranks(bench_body, 2, args, 1, 0, timeout_s=480,
                            env={"OMP_NUM_THREADS": "1"})
     for r in results:
-        # Megatron's padded vocabulary, split over TP, x hidden, fp32
-        tied_gradient_bytes = r["padded_vocab_size"] // TP * hidden * 4
         megatron, dhelix = r["memory"]["megatron"], r["memory"]["dhelix"]
-        bound = megatron * 1.03 + r["layer_activation_bytes"] + tied_gradient_bytes
+        bound = megatron * 1.05
         print(f"rank {r['rank']}: megatron {megatron / 2**20:.2f} MiB, dhelix "
-              f"{dhelix / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
+              f"{dhelix / 2**20:.2f} MiB ({dhelix / megatron:.3f}x), bound "
+              f"{bound / 2**20:.2f} MiB; plan: {r['plan_source']}")
         assert megatron > 0 and r["layer_activation_bytes"] > 0
+        assert "memory bound" in r["plan_source"]  # the DP planned under the bound
         assert dhelix <= bound
         losses = r["first_loss"]
         assert losses["megatron"] == pytest.approx(losses["dhelix"], rel=1e-6, abs=1e-6)
