@@ -215,8 +215,9 @@ def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
                      parallel=expected["parallel"], command=command, memory=memory)
     source = f"built at start-up ({options.pairer}, costs from {costs.source}"
     if memory is not None:
-        source += (f", memory bound {memory.budget_bytes / MIB:.2f} MiB above a layer pair's "
-                   f"start, planned peak {plan.search['memory']['plan_peak_mib']:.2f} MiB")
+        recorded = plan.search["memory"]
+        source += (f", memory bound {recorded['budget_mib']:.2f} MiB above a layer pair's "
+                   f"start, planned peak {recorded['plan_peak_mib']:.2f} MiB")
     if costs.source == "profile":
         counts = pair_source_counts(costs, fwd, bwd)
         estimated = sum(n for name, n in counts.items() if name != "measured")
