@@ -5,8 +5,9 @@ micro-batch) (tensor storage allocated by the compute thread, dhelix.memtrace), 
 model with TP=2 + SP and 4 micro-batches. The DP's memory bound (`planner.memory`) keeps each
 layer pair's forward allocations behind its backward's frees, so what DHelix holds beyond
 Megatron is outside the layers: that gradient and the next micro-batch's embedding output.
-Measured 1.000x-1.066x of Megatron per rank over runs; Megatron's own reading moves by up
-to 0.4 MiB (6%) between runs at this size, which the tied gradient's term (0.25 MiB) also
+Over four runs (eight rank readings) DHelix read 6.73-6.91 MiB and Megatron 6.36-6.99 MiB
+(means 6.81 and 6.64: 1.026x; single readings 0.965x-1.079x): Megatron's own reading moves
+by up to 0.6 MiB between runs at this size, which the tied gradient's term (0.25 MiB) partly
 absorbs. Both systems are
 `megatron.training.pretrain` set-ups in the benchmark's process (the step harness), share
 Megatron's groups and start from the same weights and data: their first steps' losses agree."""
