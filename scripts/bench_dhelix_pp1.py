@@ -16,9 +16,9 @@ plugin (`megatron_patches.step_harness`) with `dhelix.bench.systems.RUN_ARGS` (m
 dropout, ...) before the given arguments, stepped by Megatron's own `train_step`.
 
 Memory: peak bytes of tensor storage allocated by the compute thread during one
-forward/backward (`dhelix.memtrace`), for both schedules, next to the bound the runtime
-promises without pipelining: Megatron's peak x 1.05 (the DP's memory bound,
-`planner.memory`; `tests/test_dhelix_memory.py`).
+forward/backward (`dhelix.memtrace`), for both schedules, next to the target without
+pipelining: Megatron's peak x 1.05 (what the DP's memory bound, `planner.memory`, aims at;
+`tests/test_dhelix_memory.py` checks x 1.10 + the tied gradient, CPU readings being noisy).
 """
 
 from __future__ import annotations
