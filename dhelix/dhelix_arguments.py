@@ -11,6 +11,13 @@ from dhelix.argument_error import ArgumentError, check_readable_file, flag
 from dhelix.options import ATTENTION_CHOICES, PAIRERS
 
 
+def _non_negative_mib(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB >= 0, got {text!r}")
+    return value
+
+
 def add_dhelix_runtime_args(p: argparse.ArgumentParser):
     """Add the `--dhelix*` arguments of the DHelix runtime (`dhelix.runtime.setup`) to `p`
     in a group "dhelix", which is returned. Used by the Megatron-LM plugin on Megatron's own
@@ -42,6 +49,16 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                    help="run the layer pairs of an SI block strictly one after the other; by "
                         "default a pair's trailing backward-only blocks run together with the "
                         "next pair's leading forward-only blocks (docs/runtime.md)")
+    g.add_argument("--dhelix-memory-margin", type=_non_negative_mib, default=0.0,
+                   metavar="MIB",
+                   help="memory bound of the dp pairer (default 0): no block of the plan may "
+                        "hold more than the sequential plan (backward layer, then forward "
+                        "layer; Megatron's peak) plus this many MiB, by the per-operator "
+                        "memory measured at start-up (docs/planner.md)")
+    g.add_argument("--dhelix-no-memory-bound", dest="dhelix_memory_bound",
+                   action="store_false", default=True,
+                   help="plan without the memory bound: the fastest plan, which may hold up "
+                        "to one more layer's activations than Megatron")
     g.add_argument("--dhelix-attention", choices=ATTENTION_CHOICES, default="megatron",
                    help="core attention of the local layer spec (default megatron): megatron "
                         "is megatron-core's unfused DotProductAttention, sdpa torch's "

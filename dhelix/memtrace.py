@@ -77,13 +77,24 @@ def measure_peak(fn: Callable[[], object]) -> Tuple[object, MemoryReading]:
         torch.cuda.synchronize()
         peak = int(torch.cuda.max_memory_allocated() - before)
         return result, MemoryReading(peak, peak)
+    result = []
+    events, caller_tid, _ = _profiled([lambda: result.append(fn())])
+    return result[0], MemoryReading(_replay(events), _replay(events, keep_tid=caller_tid))
+
+
+def _profiled(steps):
+    """Run the callables `steps` under the profiler, each in its own marked range. Returns
+    (allocation events (time, size, ptr, tid) in time order, the calling thread's id, each
+    step's (start_ns, end_ns))."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(_MARK):
-            result = fn()
-    events, caller_tid = [], None
+            for number, fn in enumerate(steps):
+                with record_function(f"{_MARK}.{number}"):
+                    fn()
+    events, caller_tid, bounds = [], None, {}
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -92,8 +103,68 @@ def measure_peak(fn: Callable[[], object]) -> Tuple[object, MemoryReading]:
             events.append((node.start_time_ns, fields.alloc_size, fields.ptr, node.start_tid))
         elif node.name == _MARK:
             caller_tid = node.start_tid
+        elif node.name.startswith(_MARK + "."):
+            bounds[int(node.name.rsplit(".", 1)[1])] = (node.start_time_ns, node.end_time_ns)
         stack.extend(node.children)
-    events.sort(key=lambda e: e[0])
-    if caller_tid is None:
+    if caller_tid is None or sorted(bounds) != list(range(len(steps))):
         raise RuntimeError("profiler recorded no marker for the measured call")
-    return result, MemoryReading(_replay(events), _replay(events, keep_tid=caller_tid))
+    events.sort(key=lambda e: e[0])
+    return events, caller_tid, [bounds[k] for k in range(len(steps))]
+
+
+def _replay_steps(events, keep_tid, bounds) -> list[tuple[int, int]]:
+    """Per step (start_ns, end_ns) of `bounds`, in time order: (live bytes at its end, most
+    live bytes during it), relative to the live bytes before the first step, counting only
+    thread `keep_tid`'s allocations (as `_replay`)."""
+    live: dict = {}
+    stale: dict = {}
+    current = 0
+    out = []
+    step, peak, base = 0, None, None
+    for when, size, ptr, tid in list(events) + [(float("inf"), 0, None, None)]:
+        while step < len(bounds) and when >= bounds[step][1]:
+            if base is None:
+                base = current
+            out.append((current - base, (current if peak is None else peak) - base))
+            step, peak = step + 1, None
+        if step < len(bounds) and when >= bounds[step][0]:
+            if base is None:
+                base = current
+            peak = current if peak is None else peak
+        if ptr is None:
+            break
+        if size > 0:
+            if ptr in live:
+                current -= live.pop(ptr)
+                stale[ptr] = stale.get(ptr, 0) + 1
+            if tid == keep_tid:
+                live[ptr] = size
+                current += size
+        elif stale.get(ptr):
+            stale[ptr] -= 1
+        else:
+            current -= live.pop(ptr, 0)
+        if peak is not None:
+            peak = max(peak, current)
+    return out
+
+
+def measure_steps(steps) -> list[tuple[int, int]]:
+    """Run the callables `steps` one after another; per step, (live bytes of tensor storage
+    when it ended, the most live bytes while it ran), both relative to the live bytes before
+    the first step. On CUDA from the allocator's statistics; on CPU from the profiler's
+    allocation events of the calling thread (`compute_peak_bytes`'s reading: storage that
+    existed before the call is not seen, so its frees are not either)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        out = []
+        for fn in steps:
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            out.append((torch.cuda.memory_allocated() - base,
+                        torch.cuda.max_memory_allocated() - base))
+        return out
+    events, caller_tid, bounds = _profiled(steps)
+    return _replay_steps(events, caller_tid, bounds)

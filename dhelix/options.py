@@ -54,6 +54,9 @@ class DHelixOptions:
     pairer: str = "dp"  # --dhelix-pairer: dp | sequential | round_robin | domino
     block_barriers: bool = True  # --dhelix-no-block-barriers: False
     layer_seams: bool = True  # --dhelix-no-layer-seams: False
+    # --dhelix-memory-margin MIB: the DP's blocks stay within the sequential plan's peak plus
+    # this (planner.memory); None (--dhelix-no-memory-bound): no bound
+    memory_margin_mib: float | None = 0.0
     attention: str = "megatron"  # --dhelix-attention: megatron | sdpa
     commfree_timing_only: bool = False  # --dhelix-commfree-timing-only (benchmark bound)
 
@@ -65,6 +68,8 @@ class DHelixOptions:
                    profile=args.dhelix_profile, pairer=args.dhelix_pairer,
                    block_barriers=bool(args.dhelix_block_barriers),
                    layer_seams=bool(args.dhelix_layer_seams), attention=args.dhelix_attention,
+                   memory_margin_mib=(float(args.dhelix_memory_margin)
+                                      if args.dhelix_memory_bound else None),
                    commfree_timing_only=bool(args.dhelix_commfree_timing_only))
 
     @property

@@ -1,7 +1,10 @@
 """Baseline pairers for comparison benchmarks; both use the program order of each DAG and
 produce the same `Pairing` structure as the DP search.
 
-- sequential: no pairing. The whole forward layer, then the whole backward layer.
+- sequential: no pairing. The whole backward layer, then the whole forward layer: the
+  backward frees its layer's saved activations before the forward saves the next layer's,
+  so the two micro-batches never hold more than Megatron's schedule does when its backward
+  starts (`planner.memory`); forward first would hold one layer more.
 - round_robin: Wavelet-style interleaving without search. The k-th forward operator is paired
   with the k-th backward operator, one operator per strand per block, until the shorter strand
   runs out; the rest of the longer one runs alone. A pair that would co-run two communication
@@ -25,9 +28,9 @@ from planner.blocks import Block, Pairing, merge_solo_runs
 
 
 def sequential_pairing(fwd: OpDAG, bwd: OpDAG) -> Pairing:
-    """Forward layer then backward layer, no co-execution."""
+    """Backward layer then forward layer, no co-execution (module docstring)."""
     f_order, b_order = topological_sort(fwd), topological_sort(bwd)
-    blocks = [Block(f_order, ()), Block((), b_order)]
+    blocks = [Block((), b_order), Block(f_order, ())]
     return Pairing(f_order, b_order, blocks)
 
 

@@ -11,6 +11,7 @@ from planner.blocks import Pairing, check_pairing
 from planner.cosched import simulate_block
 from planner.costs import CostModel
 from planner.dp import dp_search
+from planner.memory import MIB, MemoryBound, pairing_peak
 from planner.plan import UNSPECIFIED, Plan, PlanBlock, dag_sha
 
 PAIRERS = ("dp", "sequential", "round_robin")
@@ -20,10 +21,12 @@ DEFAULT_WGRAD_MOVE = 4
 
 def run_pairer(name: str, fwd: OpDAG, bwd: OpDAG, costs: CostModel,
                max_orders: int = DEFAULT_MAX_ORDERS,
-               wgrad_move: int = DEFAULT_WGRAD_MOVE) -> tuple[Pairing, dict]:
-    """The pairing chosen by pairer `name`, and a summary of the search it did."""
+               wgrad_move: int = DEFAULT_WGRAD_MOVE,
+               memory: MemoryBound | None = None) -> tuple[Pairing, dict]:
+    """The pairing chosen by pairer `name`, and a summary of the search it did. `memory`
+    bounds the DP's blocks (`planner.dp`); the baselines ignore it."""
     if name == "dp":
-        result = dp_search(fwd, bwd, costs, max_orders, wgrad_move)
+        result = dp_search(fwd, bwd, costs, max_orders, wgrad_move, memory)
         return result.pairing, {"fwd_orders": result.fwd_orders,
                                 "bwd_orders": result.bwd_orders,
                                 "seconds": round(result.seconds, 4),
@@ -42,13 +45,20 @@ def run_pairer(name: str, fwd: OpDAG, bwd: OpDAG, costs: CostModel,
 def make_plan(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairer: str = "dp",
               max_orders: int = DEFAULT_MAX_ORDERS, wgrad_move: int = DEFAULT_WGRAD_MOVE,
               model: str = UNSPECIFIED, parallel: str = UNSPECIFIED,
-              hardware: str | None = None, command: str = "") -> Plan:
+              hardware: str | None = None, command: str = "",
+              memory: MemoryBound | None = None) -> Plan:
     """A complete, legal plan for one layer. `hardware` defaults to the profile's hardware
     fingerprint. Guarantees: the pairing passes `check_pairing`; block times come from
     `simulate_block` and add up to `planned_ms`; for the DP pairer they equal the DP's own
-    prediction (an internal cross-check between the two implementations of the model)."""
-    pairing, search = run_pairer(pairer, fwd, bwd, costs, max_orders, wgrad_move)
+    prediction (an internal cross-check between the two implementations of the model).
+    With `memory` (`planner.memory`), the DP uses only blocks within its budget, and the
+    plan's `search["memory"]` records the budget and the model's peak of the plan (MiB
+    above the layer pair's start); without it the DP is unbounded."""
+    pairing, search = run_pairer(pairer, fwd, bwd, costs, max_orders, wgrad_move, memory)
     check_pairing(fwd, bwd, pairing)
+    if memory is not None:
+        search["memory"] = {**memory.summary(), "plan_peak_mib": round(
+            pairing_peak(pairing, memory.fwd, memory.bwd) / MIB, 3)}
     blocks, timeline, clock = [], [], 0.0
     for number, block in enumerate(pairing.blocks):
         sim = simulate_block(block.fwd, block.bwd, costs)

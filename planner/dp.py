@@ -13,9 +13,19 @@ of consecutive ops. It is exact for the model: every sequence of blocks is a pat
 to (n, m), and the last block of an optimal path leaves an optimal prefix, because a block's
 time depends only on its own two segments (blocks are separated by barriers).
 
-The two solo blocks (all of F, then all of B) form a legal plan, so T(n, m) never exceeds the
-sequential time. The search runs this DP for every pair of candidate orders
-(`planner.orders`) and keeps the fastest plan; on ties, the one with the least movement.
+The two solo blocks (all of F, then all of B, or the other way round) form a legal plan, so
+T(n, m) never exceeds the sequential time.
+
+With a memory bound (`planner.memory.MemoryBound`), every block whose worst case
+(`planner.memory.block_peak_table`: the most it can hold above the layer pair's start over
+any interleaving of its segments) exceeds the budget is masked out. The path "all of B, then
+all of F" of the program orders fits the budget by its definition, so the bounded search
+still has a plan, and its time still never exceeds the sequential time; an order pair with
+no path inside the budget is skipped, and so is an order in which a value's last reader is
+not the one of program order (`planner.memory.frees_as_measured`).
+
+The search runs this DP for every pair of candidate orders (`planner.orders`) and keeps the
+fastest plan; on ties, the one with the least movement.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from dhelix.dag import OpDAG
 from planner.blocks import Block, Pairing, merge_solo_runs
 from planner.cosched import block_cost_table, op_masks
 from planner.costs import CostModel
+from planner.memory import MemoryBound, block_peak_table, frees_as_measured
 from planner.orders import candidate_orders
 
 _TIE = 1e-9  # relative margin a later candidate must beat the best by
@@ -71,22 +82,35 @@ def pair_orders(table: np.ndarray, fwd_order, bwd_order) -> tuple[float, list[Bl
 
 
 def dp_search(fwd: OpDAG, bwd: OpDAG, costs: CostModel, max_orders: int = 64,
-              wgrad_move: int = 3) -> SearchResult:
+              wgrad_move: int = 3, memory: MemoryBound | None = None) -> SearchResult:
     """The best legal pairing over every pair of candidate orders (at most `max_orders` per
-    direction, movable ops moved at most `wgrad_move` slots) and every segmentation.
+    direction, movable ops moved at most `wgrad_move` slots) and every segmentation, using
+    only blocks within `memory`'s budget when given (module docstring).
     Guarantees: the pairing satisfies `planner.blocks.check_pairing`; its predicted time is
-    the DP optimum and never exceeds the sequential time."""
+    the DP optimum and never exceeds the sequential time; with `memory`, every block's
+    worst case is within the budget."""
     started = time.perf_counter()
     fwd_orders = candidate_orders(fwd, max_orders, wgrad_move)
     bwd_orders = candidate_orders(bwd, max_orders, wgrad_move)
+    if memory is not None:  # orders whose frees happen where they were measured
+        fwd_orders = [o for o in fwd_orders if frees_as_measured(fwd, o)]
+        bwd_orders = [o for o in bwd_orders if frees_as_measured(bwd, o)]
     ops_f, ops_b = fwd.by_id(), bwd.by_id()
     best_ms, best = np.inf, None
     for f_order in fwd_orders:
         f_masks = op_masks(f_order, ops_f)
         for b_order in bwd_orders:
             table = block_cost_table(f_order, b_order, costs, f_masks, op_masks(b_order, ops_b))
+            if memory is not None:
+                peak = block_peak_table(f_order, b_order, memory.fwd, memory.bwd)
+                table[peak > memory.budget_bytes] = np.inf
             ms, blocks = pair_orders(table, f_order, b_order)
+            if not np.isfinite(ms):
+                continue  # no path within the memory budget for these orders
             if best is None or ms < best_ms * (1 - _TIE):
                 best_ms, best = ms, Pairing(f_order, b_order, merge_solo_runs(blocks))
+    if best is None:
+        raise ValueError("no plan within the memory budget: the program orders' sequential "
+                         "plan should always fit it (internal error)")
     return SearchResult(best, best_ms, len(fwd_orders), len(bwd_orders),
                         time.perf_counter() - started)

@@ -16,8 +16,9 @@ plugin (`megatron_patches.step_harness`) with `dhelix.bench.systems.RUN_ARGS` (m
 dropout, ...) before the given arguments, stepped by Megatron's own `train_step`.
 
 Memory: peak bytes of tensor storage allocated by the compute thread during one
-forward/backward (`dhelix.memtrace`), for both schedules, next to the bound the runtime
-promises: Megatron's peak x 1.03 + one layer's saved activations.
+forward/backward (`dhelix.memtrace`), for both schedules, next to the target without
+pipelining: Megatron's peak x 1.05 (what the DP's memory bound, `planner.memory`, aims at;
+`tests/test_dhelix_memory.py` checks x 1.10 + the tied gradient, CPU readings being noisy).
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ def report(results: list) -> dict:
     med = {name: max(statistics.median(r["times"][name]) for r in results)
            for name in results[0]["times"]}
     r0 = results[0]
-    bound = r0["memory"]["megatron"] * 1.03 + r0["layer_activation_bytes"]
+    bound = r0["memory"]["megatron"] * 1.05
     summary = {
         "step_s": med,
         "speedup": med["megatron"] / med["dhelix"],
@@ -336,8 +337,8 @@ def report(results: list) -> dict:
         print(f"{name:<10} {med[name] * 1e3:>18.1f} {r0['memory'][name] / 2**20:>16.2f}")
     print(f"speedup dhelix/megatron: {summary['speedup']:.3f}x (plan predicts "
           f"{summary['predicted_speedup']:.3f}x; {summary['plan']})")
-    print(f"memory: dhelix/megatron {summary['memory_ratio']:.3f}; bound megatron x 1.03 + one "
-          f"layer ({r0['layer_activation_bytes'] / 2**20:.2f} MiB) = {bound / 2**20:.2f} MiB: "
+    print(f"memory: dhelix/megatron {summary['memory_ratio']:.3f}; bound megatron x 1.05 = "
+          f"{bound / 2**20:.2f} MiB: "
           f"{'within' if summary['memory_within_bound'] else 'EXCEEDED'}")
     return summary
 

@@ -38,7 +38,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from dhelix.dag import save_dag
+from dhelix.dag import save_dag, topological_sort
+from dhelix.devices import model_device
+from dhelix.runtime.memory_profile import measure_op_memory
 from dhelix.ops.runner import BoundLayer
 from dhelix.options import SEQUENTIAL, DHelixOptions, DHelixRun
 from dhelix.parallel import Job
@@ -58,6 +60,7 @@ from planner.baselines import staggered_pairing
 from planner.blocks import Seam, check_pairing, layer_seam
 from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
+from planner.memory import MIB, make_bound, seam_peak
 from planner.plan import PlanMismatch, load_checked_plan
 from dhelix.file_formats import REGENERATE
 from profiler.fingerprint import (
@@ -168,9 +171,24 @@ def _load_run_plan(options: DHelixOptions, expected: dict, fwd, bwd):
         raise PlanMismatch(f"{exc} ({note})") from None
 
 
-def _resolve_plan(run: DHelixRun, fwd, bwd):
+def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layer, fwd, bwd):
+    """The DP's memory bound for this run (`planner.memory`), from one layer's operators
+    measured now (`dhelix.runtime.memory_profile`, collective over the world); None with
+    `--dhelix-no-memory-bound` or for a pairer other than dp (the baselines are not
+    searched)."""
+    margin = run.options.memory_margin_mib
+    if margin is None or run.options.pairer != "dp":
+        return None
+    rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
+    mem_f, mem_b = measure_op_memory(bound_layer, model_device(parts.model), rope)
+    return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b,
+                      margin * MIB)
+
+
+def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
     """(plan, where it came from, the cost model it was built with or None) for this run:
-    the plan/profile compatibility checks (fingerprints, hardware) all happen here."""
+    the plan/profile compatibility checks (fingerprints, hardware) all happen here. A plan
+    built here is bounded by `memory` (`planner.memory.MemoryBound`) when given."""
     options = run.options
     expected = {"model": model_fingerprint(run), "parallel": parallel_fingerprint(run)}
     profile = None
@@ -194,8 +212,12 @@ def _resolve_plan(run: DHelixRun, fwd, bwd):
                              profile_path=options.profile or "profile")
     command = shlex.join(["dhelix", "plan", "(built at start-up)"])
     plan = make_plan(fwd, bwd, costs, pairer=options.pairer, model=expected["model"],
-                     parallel=expected["parallel"], command=command)
+                     parallel=expected["parallel"], command=command, memory=memory)
     source = f"built at start-up ({options.pairer}, costs from {costs.source}"
+    if memory is not None:
+        recorded = plan.search["memory"]
+        source += (f", memory bound {recorded['budget_mib']:.2f} MiB above a layer pair's "
+                   f"start, planned peak {recorded['plan_peak_mib']:.2f} MiB")
     if costs.source == "profile":
         counts = pair_source_counts(costs, fwd, bwd)
         estimated = sum(n for name, n in counts.items() if name != "measured")
@@ -204,13 +226,19 @@ def _resolve_plan(run: DHelixRun, fwd, bwd):
     return plan, source, costs
 
 
-def plan_seam(options: DHelixOptions, plan, dags) -> Seam | None:
+def plan_seam(options: DHelixOptions, plan, dags, memory=None) -> Seam | None:
     """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
     or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
-    reference row co-executes nothing), or where the plan has no seam."""
+    reference row co-executes nothing), where the plan has no seam, or where the seam
+    block could exceed `memory`'s budget (`planner.memory.seam_peak`)."""
     if not options.layer_seams or plan.pairer == SEQUENTIAL:
         return None
-    return layer_seam(plan.blocks, dags["fwd"].by_id(), dags["bwd"].by_id())
+    seam = layer_seam(plan.blocks, dags["fwd"].by_id(), dags["bwd"].by_id())
+    if seam is not None and memory is not None and seam_peak(
+            plan.fwd_order, plan.bwd_order, len(seam.block.fwd), len(seam.block.bwd),
+            memory.fwd, memory.bwd) > memory.budget_bytes:
+        return None
+    return seam
 
 
 def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | None = None
@@ -255,10 +283,13 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
         source = "domino: intra-batch split, staggered halves, no planning"
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
                            engine=engine, timing_only=timing_only)
-    plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"])
+    memory = None if options.plan else _memory_bound(run, parts, bound[0], dags["fwd"],
+                                                      dags["bwd"])
+    plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
-                         block_barriers=options.block_barriers, seam=plan_seam(options, plan, dags))
+                         block_barriers=options.block_barriers,
+                         seam=plan_seam(options, plan, dags, memory))
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
                             OperatorPasses(parts, runner, loss_at_forward=pipelined))
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,

@@ -1,0 +1,106 @@
+"""Per-operator memory of a bound layer, measured once where a plan is made: what the
+planner's memory bound (`planner.memory`) reads.
+
+One forward and one backward of the layer run operator by operator in program order on a
+zero input (`dhelix.memtrace.measure_steps` reads the live bytes after each operator and
+the most during it). Autograd-saved tensors of the traced regions (`graph` values) are
+counted as the allocator sees them, which no declared shape would give.
+
+Side effects, none of which reach training: the layer's parameters are set not to require
+grad while it runs (so no gradient reaches `param.grad` / `main_grad` and no grad-sync hook
+fires; the norms' weight gradients, a few hidden-size vectors, are then not computed), and
+the RNG states (torch's, and megatron-core's CUDA RNG tracker when it has states) are
+restored afterwards, so dropout draws the same numbers as without the measurement. The
+collectives run on the layer's own groups: every rank of the layer's groups must call this
+together. The readings are reduced to their maximum over the world, so every rank plans
+from the same numbers (plans must agree across ranks).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from planner.memory import OpMemory
+
+
+@contextmanager
+def _no_side_effects(layer):
+    params = [p for p in layer.parameters() if p.requires_grad]
+    tracker = None
+    try:
+        from megatron.core import tensor_parallel
+
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker_states = tracker.get_states()
+    except Exception:  # noqa: BLE001 - no megatron-core tracker initialised: nothing to keep
+        tracker = None
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+            if tracker is not None:
+                tracker.set_states(tracker_states)
+
+
+def measure_op_memory(bound, device: torch.device, rotary_pos_emb=None
+                      ) -> tuple[OpMemory, OpMemory]:
+    """(forward, backward) `OpMemory` of `bound` (a `dhelix.ops.runner.BoundLayer`) run on
+    `device`, with `rotary_pos_emb` as the layer gets it. Collective over the layer's
+    groups and the world (module docstring)."""
+    from dhelix.memtrace import measure_steps
+
+    desc = bound.description
+    execution = bound.new_execution()
+    programs = bound.programs
+    fwd_ids, bwd_ids = programs.forward.ids, programs.backward.ids
+    dtype = getattr(torch, desc.dtype)
+    shape = (desc.local_seq, desc.micro_batch_size, desc.hidden_size)
+    x = torch.zeros(shape, dtype=dtype, device=device)
+    grad = torch.zeros(shape, dtype=dtype, device=device)
+    handed = {}
+
+    def step(op_id):
+        return lambda: execution.run(op_id)
+
+    def turn():
+        handed["y"] = execution.end_forward()
+        execution.begin_backward(grad)
+
+    def finish():
+        handed["dx"] = execution.end_backward()
+
+    layer = bound.layer
+    with _no_side_effects(layer):
+        execution.begin_forward(x, None, rotary_pos_emb)
+        readings = measure_steps([step(o) for o in fwd_ids] + [turn]
+                                 + [step(o) for o in bwd_ids] + [finish])
+    handed.clear()
+    values = torch.tensor([v for pair in readings for v in pair], dtype=torch.float64,
+                          device=device)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    flat = [float(v) for v in values.tolist()]
+    readings = list(zip(flat[0::2], flat[1::2]))
+    fwd_r, bwd_r = readings[:len(fwd_ids)], readings[len(fwd_ids) + 1:-1]
+    return (_op_memory(fwd_ids, fwd_r, 0.0),
+            _op_memory(bwd_ids, bwd_r, readings[len(fwd_ids)][0]))
+
+
+def _op_memory(ids, readings, start: float) -> OpMemory:
+    """Deltas and transients from (live after, peak during) readings relative to one base;
+    `start` is the live bytes before the first op."""
+    delta, transient = {}, {}
+    before = start
+    for op_id, (live, peak) in zip(ids, readings):
+        delta[op_id] = int(live - before)
+        transient[op_id] = int(max(peak, live) - before)
+        before = live
+    return OpMemory(delta, transient)

@@ -1,0 +1,174 @@
+"""The memory bound of a layer pair: how much a block may add to the bytes the two
+micro-batches already hold, and which blocks stay within a budget.
+
+Without pipelining, at a layer pair (forward of layer l of micro-batch i+1, backward of
+layer L-1-l of micro-batch i) the two micro-batches hold L layers of saved activations, as
+Megatron's schedule does when its backward starts. Everything the pair's forward allocates
+before its backward has freed the same is on top of that.
+
+Model (`OpMemory`, measured once per run by `dhelix.runtime.memory_profile`): per op, the
+bytes it leaves live (`delta`: its outputs kept for later readers minus the inputs it was
+the last reader of) and its transient (`transient`: the most it holds above the live bytes
+it started from while it runs, its temporaries and outputs together). An op's delta is
+taken as the same in every candidate order: it is measured in program order, and the bounded
+search uses only orders in which every value is last read by the same op as there
+(`frees_as_measured`; moving a weight-gradient op later moves its frees with it).
+
+For an order, `L[k]` is the live bytes after its first k ops (relative to the strand's
+start) and `P[k]` the most during op k (`L[k-1] + transient`). Only one operator runs at a
+time on the compute thread (`dhelix.runtime.strand_executor`), so a block cutting F[a:i]
+and B[b:j] holds at most
+
+    max( max L_f[a..i] + max P_b(b..j],  max P_f(a..i] + max L_b[b..j] )
+
+above the pair's start, whatever the interleaving. The reference is the sequential plan
+(`planner.baselines.sequential_pairing`: the whole backward layer, then the whole forward
+layer) in program order, whose peak is that of Megatron's backward over the same L layers:
+`max(max P_b, L_b[m] + max P_f)`. The budget is that plus a margin; the plan "all of B,
+then all of F" of the program orders always fits it, so the DP always has a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from dhelix.dag import topological_sort
+
+MIB = 2 ** 20
+
+
+@dataclass(frozen=True)
+class OpMemory:
+    """Measured memory of one layer's operators, by op id (bytes): `delta` live bytes left
+    after the op, `transient` the most above its starting live bytes while it runs."""
+
+    delta: Mapping[str, int]
+    transient: Mapping[str, int]
+
+    def covers(self, ops) -> bool:
+        return all(o in self.delta and o in self.transient for o in ops)
+
+
+@dataclass(frozen=True)
+class MemoryBound:
+    """Measured memory of both directions and the budget a block must fit (bytes above
+    the layer pair's start). `reference_bytes`: the sequential plan's peak (program
+    orders, backward first); `margin_bytes`: the allowance above it."""
+
+    fwd: OpMemory
+    bwd: OpMemory
+    reference_bytes: float
+    margin_bytes: float
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.reference_bytes + self.margin_bytes
+
+    def summary(self) -> dict:
+        """What a plan records of the bound (MiB)."""
+        return {"reference_mib": round(self.reference_bytes / MIB, 3),
+                "margin_mib": round(self.margin_bytes / MIB, 3),
+                "budget_mib": round(self.budget_bytes / MIB, 3)}
+
+
+def live_and_peak(order: Sequence[str], memory: OpMemory) -> tuple[np.ndarray, np.ndarray]:
+    """(L, P) of an order: `L[k]` live bytes after k ops (k = 0..n, L[0] = 0), `P[k]` the
+    most while op k runs (k = 1..n; P[0] = -inf)."""
+    live = np.concatenate([[0.0], np.cumsum([float(memory.delta[o]) for o in order])])
+    peak = np.full(len(order) + 1, -np.inf)
+    for k, op in enumerate(order, start=1):
+        peak[k] = live[k - 1] + max(float(memory.transient[op]), 0.0, live[k] - live[k - 1])
+    return live, peak
+
+
+def sequential_peak(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory) -> float:
+    """Peak above the pair's start of the whole backward, then the whole forward."""
+    live_b, peak_b = live_and_peak(bwd_order, bwd)
+    _, peak_f = live_and_peak(fwd_order, fwd)
+    return float(max(0.0, peak_b.max(), live_b[-1] + peak_f.max()))
+
+
+def make_bound(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory,
+               margin_bytes: float) -> MemoryBound:
+    """The bound for these measurements, the reference being the sequential plan over the
+    program orders `fwd_order` / `bwd_order`."""
+    if margin_bytes < 0:
+        raise ValueError(f"memory margin must be >= 0, got {margin_bytes}")
+    return MemoryBound(fwd, bwd, sequential_peak(fwd_order, bwd_order, fwd, bwd),
+                       float(margin_bytes))
+
+
+def _range_max(values: np.ndarray, closed: bool) -> np.ndarray:
+    """R[a, i] = max values[a..i] (closed) or values(a..i] (half-open: a < k <= i),
+    -inf where the range is empty or i < a."""
+    n = len(values)
+    out = np.full((n, n), -np.inf)
+    for a in range(n):
+        acc = -np.inf
+        for i in range(a, n):
+            if closed or i > a:
+                acc = max(acc, values[i])
+            out[a, i] = acc
+    return out
+
+
+def block_peak_table(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory) -> np.ndarray:
+    """`M[i, j, a, b]`: the most a block cutting F[a:i] and B[b:j] can hold above the pair's
+    start (module docstring), over every interleaving of its two segments; same layout as
+    `planner.cosched.block_cost_table` (entries with i < a or j < b are meaningless)."""
+    live_f, peak_f = live_and_peak(fwd_order, fwd)
+    live_b, peak_b = live_and_peak(bwd_order, bwd)
+    rl_f, rp_f = _range_max(live_f, True), _range_max(peak_f, False)
+    rl_b, rp_b = _range_max(live_b, True), _range_max(peak_b, False)
+    with np.errstate(invalid="ignore"):
+        worst = np.maximum(rl_f[:, :, None, None] + rp_b[None, None, :, :],
+                           rp_f[:, :, None, None] + rl_b[None, None, :, :])  # [a, i, b, j]
+    return np.ascontiguousarray(worst.transpose(1, 3, 0, 2))  # -> [i, j, a, b]
+
+
+def seam_peak(fwd_order, bwd_order, head: int, tail_ops: int, fwd: OpMemory,
+              bwd: OpMemory) -> float:
+    """Peak above a layer pair's start of its seam (`planner.blocks.Seam`): the pair's
+    forward done and its backward but for the last `tail_ops` operators, co-executed with
+    the next pair's first `head` forward operators."""
+    live_f, peak_f = live_and_peak(fwd_order, fwd)
+    live_b, peak_b = live_and_peak(bwd_order, bwd)
+    start = len(bwd_order) - tail_ops
+    head_l, head_p = live_f[:head + 1].max(), peak_f[1:head + 1].max(initial=-np.inf)
+    tail_l, tail_p = live_b[start:].max(), peak_b[start + 1:].max(initial=-np.inf)
+    return float(live_f[-1] + max(head_l + tail_p, head_p + tail_l))
+
+
+def pairing_peak(pairing, fwd: OpMemory, bwd: OpMemory) -> float:
+    """The model's peak above the pair's start of a pairing (`planner.blocks.Pairing`):
+    the largest block bound of `block_peak_table` along its blocks."""
+    table = block_peak_table(pairing.fwd_order, pairing.bwd_order, fwd, bwd)
+    i = j = 0
+    worst = 0.0
+    for block in pairing.blocks:
+        a, b = i, j
+        i, j = i + len(block.fwd), j + len(block.bwd)
+        worst = max(worst, float(table[i, j, a, b]))
+    return worst
+
+
+def frees_as_measured(dag, order: Sequence[str]) -> bool:
+    """True if, in `order`, every op's outputs are last read by the same op as in program
+    order (`dhelix.dag.topological_sort`), where the measurement attributed their free.
+    Moving a reader after the measured last reader (a weight-gradient op before its
+    data-gradient op) would free later than `OpMemory.delta` says; the bounded search
+    skips such orders. Readers are taken from the DAG's deps (an op reads its deps'
+    outputs)."""
+    program = {op: k for k, op in enumerate(topological_sort(dag))}
+    position = {op: k for k, op in enumerate(order)}
+    readers: dict = {}
+    for op in dag.ops:
+        for dep in op.deps:
+            readers.setdefault(dep, []).append(op.id)
+    for ops in readers.values():
+        if max(ops, key=program.__getitem__) != max(ops, key=position.__getitem__):
+            return False
+    return True

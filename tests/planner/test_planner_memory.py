@@ -1,0 +1,156 @@
+"""The memory bound of the DP (`planner.memory`): the block bound against every interleaving
+of a block's operators, the mask on a DAG whose fastest plan exceeds the budget, and the
+bounded search's guarantees on random cases."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+from tests.planner.planner_reference import random_dag, random_profile
+
+from dhelix.dag import OpDAG, OpNode, topological_sort
+from planner.baselines import sequential_pairing
+from planner.blocks import pairing_violation
+from planner.costs import build_cost_model
+from planner.dp import dp_search
+from planner.memory import (
+    OpMemory,
+    block_peak_table,
+    frees_as_measured,
+    live_and_peak,
+    make_bound,
+    pairing_peak,
+    seam_peak,
+)
+from profiler.profile_file import Profile, pair_key
+
+MIB = 2 ** 20
+
+
+def _random_memory(rng, dag: OpDAG) -> OpMemory:
+    delta = {op.id: rng.randint(-4, 6) * MIB for op in dag.ops}
+    transient = {o: max(d, 0) + rng.randint(0, 3) * MIB for o, d in delta.items()}
+    return OpMemory(delta, transient)
+
+
+def _interleaving_peak(f_ops, b_ops, f_start, b_start, mem_f, mem_b):
+    """Most live bytes over every interleaving of two op sequences run one op at a time,
+    from live bytes f_start + b_start (reference for `block_peak_table`)."""
+    worst = -np.inf
+    for slots in itertools.combinations(range(len(f_ops) + len(b_ops)), len(f_ops)):
+        live = {"f": f_start, "b": b_start}
+        fi, bi = iter(f_ops), iter(b_ops)
+        worst = max(worst, live["f"] + live["b"])
+        for k in range(len(f_ops) + len(b_ops)):
+            strand, op, mem = (("f", next(fi), mem_f) if k in slots else
+                               ("b", next(bi), mem_b))
+            during = live[strand] + max(mem.transient[op], 0, mem.delta[op])
+            worst = max(worst, during + live["b" if strand == "f" else "f"])
+            live[strand] += mem.delta[op]
+    return worst
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_bound_is_the_worst_interleaving(seed):
+    rng = random.Random(seed)
+    fwd, bwd = random_dag(rng, "fwd", 4), random_dag(rng, "bwd", 3)
+    mem_f, mem_b = _random_memory(rng, fwd), _random_memory(rng, bwd)
+    f_order, b_order = topological_sort(fwd), topological_sort(bwd)
+    table = block_peak_table(f_order, b_order, mem_f, mem_b)
+    live_f, _ = live_and_peak(f_order, mem_f)
+    live_b, _ = live_and_peak(b_order, mem_b)
+    for a, i in itertools.combinations_with_replacement(range(5), 2):
+        for b, j in itertools.combinations_with_replacement(range(4), 2):
+            if (a, b) == (i, j):
+                continue
+            expected = _interleaving_peak(f_order[a:i], b_order[b:j], live_f[a], live_b[b],
+                                          mem_f, mem_b)
+            assert table[i, j, a, b] == pytest.approx(expected), (a, i, b, j)
+
+
+def _chain(direction, specs):
+    """A chain DAG: (id, channel, cost key) per op, each depending on the previous."""
+    ops, prev = [], ()
+    for op_id, channel, key in specs:
+        kind = "comp" if channel == "compute" else "comm"
+        ops.append(OpNode(op_id, kind, channel, prev, key, False, "gemm" if kind == "comp"
+                          else "all_gather"))
+        prev = (op_id,)
+    return OpDAG(direction, ops)
+
+
+@pytest.fixture
+def overlapping_layer():
+    """Forward: a GEMM saving 8 MiB, then its gather. Backward: a cross-node collective,
+    then a GEMM freeing 8 MiB (2 MiB of temporaries). Pairing each computation with the
+    other strand's collective hides both collectives (8.4 ms against 12 ms), but its first
+    block runs the forward's GEMM before the backward's frees."""
+    fwd = _chain("fwd", [("fa", "compute", "gf"), ("fc", "intra", "agf")])
+    bwd = _chain("bwd", [("bc", "inter", "rsb"), ("bb", "compute", "gb")])
+    profile = Profile("hw", {"gf": 4.0, "agf": 2.0, "rsb": 2.0, "gb": 4.0},
+                      {pair_key("gf", "rsb"): 4.2, pair_key("agf", "gb"): 4.2,
+                       pair_key("gf", "gb"): 8.0, pair_key("agf", "rsb"): 2.5},
+                      {"repeats": 1, "warmup": 0, "ranks": 1, "created": "t"})
+    mem_f = OpMemory({"fa": 8 * MIB, "fc": 0}, {"fa": 8 * MIB, "fc": 0})
+    mem_b = OpMemory({"bc": 0, "bb": -8 * MIB}, {"bc": 0, "bb": 2 * MIB})
+    return fwd, bwd, build_cost_model(fwd, bwd, profile), mem_f, mem_b
+
+
+def test_mask_rejects_the_faster_plan_that_exceeds_the_budget(overlapping_layer):
+    fwd, bwd, costs, mem_f, mem_b = overlapping_layer
+    free = dp_search(fwd, bwd, costs)
+    assert free.planned_ms == pytest.approx(8.4)
+    bound = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, 0)
+    assert bound.reference_bytes == 2 * MIB  # the backward GEMM's temporaries
+    # the forward's 8 MiB held while the backward's GEMM needs its 2 MiB of temporaries
+    assert pairing_peak(free.pairing, mem_f, mem_b) == 10 * MIB > bound.budget_bytes
+    bounded = dp_search(fwd, bwd, costs, memory=bound)
+    assert pairing_violation(fwd, bwd, bounded.pairing) is None
+    assert pairing_peak(bounded.pairing, mem_f, mem_b) <= bound.budget_bytes
+    assert bounded.planned_ms == pytest.approx(costs.sequential_ms())  # nothing fits
+    assert bounded.pairing.blocks[0].bwd and not bounded.pairing.blocks[0].fwd
+    # a margin of 8 MiB admits it again
+    wide = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, 8 * MIB)
+    relaxed = dp_search(fwd, bwd, costs, memory=wide)
+    assert relaxed.planned_ms == pytest.approx(8.4)
+    assert pairing_peak(relaxed.pairing, mem_f, mem_b) <= wide.budget_bytes
+
+
+def test_sequential_pairing_runs_the_backward_first_and_meets_the_reference(overlapping_layer):
+    fwd, bwd, _, mem_f, mem_b = overlapping_layer
+    pairing = sequential_pairing(fwd, bwd)
+    assert [bool(b.fwd) for b in pairing.blocks] == [False, True]
+    bound = make_bound(pairing.fwd_order, pairing.bwd_order, mem_f, mem_b, 0)
+    assert pairing_peak(pairing, mem_f, mem_b) == bound.reference_bytes
+
+
+def test_seam_peak_counts_the_next_forward_on_top_of_the_tail(overlapping_layer):
+    _, _, _, mem_f, mem_b = overlapping_layer
+    # the pair's forward done (+8), the next forward's GEMM (+8) run before the backward's
+    # last op, whose 2 MiB of temporaries come on top: 18 at worst
+    assert seam_peak(("fa", "fc"), ("bc", "bb"), 1, 1, mem_f, mem_b) == 18 * MIB
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bounded_search_keeps_the_guarantees(seed):
+    rng = random.Random(seed)
+    fwd, bwd = random_dag(rng, "fwd", rng.randint(2, 5)), random_dag(rng, "bwd", rng.randint(2, 5))
+    costs = build_cost_model(fwd, bwd, random_profile(rng, fwd, bwd))
+    mem_f, mem_b = _random_memory(rng, fwd), _random_memory(rng, bwd)
+    free = dp_search(fwd, bwd, costs, 8, 2)
+    for margin in (0, 2 * MIB):
+        bound = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin)
+        result = dp_search(fwd, bwd, costs, 8, 2, memory=bound)
+        assert pairing_violation(fwd, bwd, result.pairing) is None
+        assert pairing_peak(result.pairing, mem_f, mem_b) <= bound.budget_bytes
+        assert free.planned_ms - 1e-9 <= result.planned_ms <= costs.sequential_ms() + 1e-9
+
+
+def test_orders_that_move_a_free_are_recognised():
+    # b2 and b3 both read b1's output; program order frees it at b3
+    bwd = OpDAG("bwd", [OpNode("b1", "comp", "compute", (), "k1", False, "gemm"),
+                        OpNode("b2", "comp", "compute", ("b1",), "k2", True, "gemm"),
+                        OpNode("b3", "comp", "compute", ("b1",), "k3", False, "gemm")])
+    assert frees_as_measured(bwd, ["b1", "b2", "b3"])
+    assert not frees_as_measured(bwd, ["b1", "b3", "b2"])  # b2 moved after the last reader
