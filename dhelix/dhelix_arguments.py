@@ -49,12 +49,14 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                    help="run the layer pairs of an SI block strictly one after the other; by "
                         "default a pair's trailing backward-only blocks run together with the "
                         "next pair's leading forward-only blocks (docs/runtime.md)")
-    g.add_argument("--dhelix-memory-margin", type=_non_negative_mib, default=0.0,
+    g.add_argument("--dhelix-memory-margin", type=_non_negative_mib, default=None,
                    metavar="MIB",
-                   help="memory bound of the dp pairer (default 0): no block of the plan may "
-                        "hold more than the sequential plan (backward layer, then forward "
-                        "layer; Megatron's peak) plus this many MiB, by the per-operator "
-                        "memory measured at start-up (docs/planner.md)")
+                   help="memory bound of the dp pairer: no block of the plan may hold more "
+                        "than the sequential plan (backward layer, then forward layer; "
+                        "Megatron's peak) plus this many MiB, by the per-operator memory "
+                        "measured at start-up; default: 5%% of the saved activations of this "
+                        "stage's layers, so the peak stays within about 1.05x Megatron's "
+                        "(docs/planner.md)")
     g.add_argument("--dhelix-no-memory-bound", dest="dhelix_memory_bound",
                    action="store_false", default=True,
                    help="plan without the memory bound: the fastest plan, which may hold up "

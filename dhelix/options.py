@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 PAIRERS = ("dp", "sequential", "round_robin", "domino")
 DOMINO = "domino"
 SEQUENTIAL = "sequential"
+# the dp pairer's default memory margin, as a share of the saved activations of the stage's
+# layers (Megatron's peak holds at least those): the plan's peak stays within ~1.05x of it
+AUTO_MEMORY_MARGIN = 0.05
 # --dhelix-attention: megatron-core's DotProductAttention or torch SDPA
 # (megatron_patches.sdpa_attention)
 ATTENTION_CHOICES = ("megatron", "sdpa")
@@ -54,9 +57,11 @@ class DHelixOptions:
     pairer: str = "dp"  # --dhelix-pairer: dp | sequential | round_robin | domino
     block_barriers: bool = True  # --dhelix-no-block-barriers: False
     layer_seams: bool = True  # --dhelix-no-layer-seams: False
+    # --dhelix-no-memory-bound: False (the DP's plan is not bounded, planner.memory)
+    memory_bound: bool = True
     # --dhelix-memory-margin MIB: the DP's blocks stay within the sequential plan's peak plus
-    # this (planner.memory); None (--dhelix-no-memory-bound): no bound
-    memory_margin_mib: float | None = 0.0
+    # this; None: AUTO_MEMORY_MARGIN of the stage's layers' saved activations
+    memory_margin_mib: float | None = None
     attention: str = "megatron"  # --dhelix-attention: megatron | sdpa
     commfree_timing_only: bool = False  # --dhelix-commfree-timing-only (benchmark bound)
 
@@ -68,8 +73,9 @@ class DHelixOptions:
                    profile=args.dhelix_profile, pairer=args.dhelix_pairer,
                    block_barriers=bool(args.dhelix_block_barriers),
                    layer_seams=bool(args.dhelix_layer_seams), attention=args.dhelix_attention,
-                   memory_margin_mib=(float(args.dhelix_memory_margin)
-                                      if args.dhelix_memory_bound else None),
+                   memory_bound=bool(args.dhelix_memory_bound),
+                   memory_margin_mib=(None if args.dhelix_memory_margin is None
+                                      else float(args.dhelix_memory_margin)),
                    commfree_timing_only=bool(args.dhelix_commfree_timing_only))
 
     @property

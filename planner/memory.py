@@ -84,6 +84,11 @@ def live_and_peak(order: Sequence[str], memory: OpMemory) -> tuple[np.ndarray, n
     return live, peak
 
 
+def layer_activation_bytes(fwd_order, fwd: OpMemory) -> float:
+    """Bytes one layer's forward leaves live for its backward (the sum of its deltas)."""
+    return float(max(0.0, live_and_peak(fwd_order, fwd)[0][-1]))
+
+
 def sequential_peak(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory) -> float:
     """Peak above the pair's start of the whole backward, then the whole forward."""
     live_b, peak_b = live_and_peak(bwd_order, bwd)

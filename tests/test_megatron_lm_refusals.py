@@ -133,13 +133,16 @@ def test_validated_run_is_typed(monkeypatch):
     assert code is None, err
     assert (current_run().options.block_barriers, current_run().options.layer_seams) \
         == (False, False)
-    assert current_run().options.memory_margin_mib == 0.0  # the memory bound's default
+    # the memory bound's default: on, margin AUTO_MEMORY_MARGIN of the layers' activations
+    assert (current_run().options.memory_bound, current_run().options.memory_margin_mib) \
+        == (True, None)
     code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-memory-margin",
                                "1.5"], validate=True)
     assert code is None and current_run().options.memory_margin_mib == 1.5, err
+    assert current_run().options.memory_bound, err
     code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-no-memory-bound"],
                        validate=True)
-    assert code is None and current_run().options.memory_margin_mib is None, err
+    assert code is None and current_run().options.memory_bound is False, err
     code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-memory-margin",
                                "-1"], validate=True)
     assert code == 2 and "--dhelix-memory-margin" in err and ">= 0" in err, err

@@ -42,7 +42,7 @@ from dhelix.dag import save_dag, topological_sort
 from dhelix.devices import model_device
 from dhelix.runtime.memory_profile import measure_op_memory
 from dhelix.ops.runner import BoundLayer
-from dhelix.options import SEQUENTIAL, DHelixOptions, DHelixRun
+from dhelix.options import AUTO_MEMORY_MARGIN, SEQUENTIAL, DHelixOptions, DHelixRun
 from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.intra_batch_passes import IntraBatchPasses
@@ -60,7 +60,7 @@ from planner.baselines import staggered_pairing
 from planner.blocks import Seam, check_pairing, layer_seam
 from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
-from planner.memory import MIB, make_bound, seam_peak
+from planner.memory import MIB, layer_activation_bytes, make_bound, seam_peak
 from planner.plan import PlanMismatch, load_checked_plan
 from dhelix.file_formats import REGENERATE
 from profiler.fingerprint import (
@@ -171,18 +171,25 @@ def _load_run_plan(options: DHelixOptions, expected: dict, fwd, bwd):
         raise PlanMismatch(f"{exc} ({note})") from None
 
 
-def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layer, fwd, bwd):
+def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     """The DP's memory bound for this run (`planner.memory`), from one layer's operators
     measured now (`dhelix.runtime.memory_profile`, collective over the world); None with
     `--dhelix-no-memory-bound` or for a pairer other than dp (the baselines are not
-    searched)."""
-    margin = run.options.memory_margin_mib
-    if margin is None or run.options.pairer != "dp":
+    searched). The margin is `--dhelix-memory-margin`, else AUTO_MEMORY_MARGIN of the saved
+    activations of this chunk's layers (one layer's forward leaves `layer_activation_bytes`
+    live; Megatron's peak holds them all at once at the end of a forward)."""
+    options = run.options
+    if not options.memory_bound or options.pairer != "dp":
         return None
     rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
-    mem_f, mem_b = measure_op_memory(bound_layer, model_device(parts.model), rope)
-    return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b,
-                      margin * MIB)
+    mem_f, mem_b = measure_op_memory(bound_layers[0], model_device(parts.model), rope)
+    fwd_order = topological_sort(fwd)
+    if options.memory_margin_mib is not None:
+        margin = options.memory_margin_mib * MIB
+    else:
+        margin = AUTO_MEMORY_MARGIN * len(bound_layers) * layer_activation_bytes(fwd_order,
+                                                                                 mem_f)
+    return make_bound(fwd_order, topological_sort(bwd), mem_f, mem_b, margin)
 
 
 def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
@@ -283,7 +290,7 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
         source = "domino: intra-batch split, staggered halves, no planning"
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
                            engine=engine, timing_only=timing_only)
-    memory = None if options.plan else _memory_bound(run, parts, bound[0], dags["fwd"],
+    memory = None if options.plan else _memory_bound(run, parts, bound, dags["fwd"],
                                                       dags["bwd"])
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),

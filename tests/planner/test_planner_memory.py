@@ -18,6 +18,7 @@ from planner.memory import (
     OpMemory,
     block_peak_table,
     frees_as_measured,
+    layer_activation_bytes,
     live_and_peak,
     make_bound,
     pairing_peak,
@@ -154,3 +155,13 @@ def test_orders_that_move_a_free_are_recognised():
                         OpNode("b3", "comp", "compute", ("b1",), "k3", False, "gemm")])
     assert frees_as_measured(bwd, ["b1", "b2", "b3"])
     assert not frees_as_measured(bwd, ["b1", "b3", "b2"])  # b2 moved after the last reader
+
+
+def test_layer_activation_is_what_the_forward_leaves_live():
+    order = ("a", "b", "c")
+    memory = OpMemory({"a": 3 * MIB, "b": 5 * MIB, "c": -2 * MIB},
+                      {"a": 4 * MIB, "b": 5 * MIB, "c": 0})
+    assert layer_activation_bytes(order, memory) == 6 * MIB
+    assert layer_activation_bytes(order[:1], memory) == 3 * MIB
+    # a forward that frees more than it keeps leaves nothing (never a negative margin)
+    assert layer_activation_bytes(("c",), memory) == 0
