@@ -179,6 +179,7 @@ def gpu_emulation(args):
     import json
 
     from dhelix.gpu_emulation.emulated_run import GpuEmulation, trace_profile
+    from dhelix.gpu_emulation.options import mark_process
 
     if args.time_scale is None or not args.time_scale > 0:
         raise ArgumentError("--gpu-emulation needs --time-scale S > 0 (kernel times x S)")
@@ -188,7 +189,9 @@ def gpu_emulation(args):
     profile = str(Path(args.gpu_emulation).resolve())
     trace = (json.loads(Path(args.gpu_emulation_trace).read_text())
              if args.gpu_emulation_trace else trace_profile(profile))
-    return GpuEmulation(profile=profile, trace=trace, time_scale=args.time_scale)
+    emulation = GpuEmulation(profile=profile, trace=trace, time_scale=args.time_scale)
+    mark_process(profile, args.time_scale)  # the profile's fingerprint names the emulation
+    return emulation
 
 
 def profile_job(args, megatron_argv: list):

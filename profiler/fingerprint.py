@@ -4,7 +4,8 @@ A profile's times are only valid on the hardware and software they were measured
 fingerprint records, as a JSON object (the profile's `hardware` section):
 
     {"fingerprint": "dhelix-hw-1",
-     "device": "NVIDIA H100 80GB HBM3" | "cpu: <model name>",
+     "device": "NVIDIA H100 80GB HBM3" | "cpu: <model name>"
+               | "emulated GPU (<kernel profile> x S=<S>) on cpu: <model name>",
      "device_count": GPUs per node (CPU: logical cores per node),
      "nodes": N, "ranks_per_node": R,
      "link": {"intra": "nvlink" | "pcie" | "single-device" | "shared-memory",
@@ -34,6 +35,8 @@ from dhelix.topology import NodeTopology
 FINGERPRINT_VERSION = "dhelix-hw-1"
 MATCH_FIELDS = ("fingerprint", "device", "device_count", "link", "backend", "versions")
 CLUSTER_LINK_ENV = "DHELIX_CLUSTER_LINK"  # set by the emulated cluster (dhelix.cluster)
+# set in a process timing on the emulated GPU (dhelix.gpu_emulation.options.mark_process)
+EMULATION_ENV = "DHELIX_GPU_EMULATION"
 
 
 def _version(name: str) -> str:
@@ -124,9 +127,12 @@ def hardware_fingerprint(world_size: int, topology: NodeTopology | None = None,
         "megatron-core": _version("megatron-core"),
         "python": platform.python_version(),
     }
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu: {_cpu_model()}"
+    if os.environ.get(EMULATION_ENV):  # timing on the emulated GPU (dhelix.gpu_emulation)
+        device = f"emulated GPU ({os.environ[EMULATION_ENV]}) on {device}"
     return {
         "fingerprint": FINGERPRINT_VERSION,
-        "device": torch.cuda.get_device_name(0) if cuda else f"cpu: {_cpu_model()}",
+        "device": device,
         "device_count": torch.cuda.device_count() if cuda else (os.cpu_count() or 1),
         "nodes": nodes,
         "ranks_per_node": ranks_per_node,

@@ -191,9 +191,12 @@ class _Calls:
         self.modelled_ms: dict = {}
         if emulation is not None:
             from dhelix.gpu_emulation.emulated_run import GpuEmulation
+            from dhelix.gpu_emulation.options import mark_process
 
             self.emulation = GpuEmulation(**emulation)
             self.model = self.emulation.kernel_model()
+            # a --dhelix-profile taken on the emulated GPU fits these ranks, not a real run
+            mark_process(self.emulation.profile, self.emulation.time_scale)
 
     def megatron_args(self, args: list) -> list:
         """`args`, under the emulation with what reads tensor values left out (kernel

@@ -88,3 +88,18 @@ def test_profile_on_the_emulated_gpu(tmp_path):
     # a collective issues no kernel: it runs for real (loopback), never slept
     reduces = [ms for key, ms in profile.solo.items() if key.startswith("all_reduce")]
     assert reduces and max(reduces) < 5.0
+
+
+def test_fingerprint_names_the_emulated_gpu_so_real_runs_refuse_its_profiles(monkeypatch):
+    from dhelix.gpu_emulation.options import EMULATION_ENV, mark_process
+    from profiler.fingerprint import hardware_differences, hardware_fingerprint
+
+    monkeypatch.delenv(EMULATION_ENV, raising=False)
+    real = hardware_fingerprint(1, backend="gloo")
+    monkeypatch.setenv(EMULATION_ENV, "")  # restored by monkeypatch after mark_process
+    mark_process("/any/where/h100_layer.json", 30.0)
+    emulated = hardware_fingerprint(1, backend="gloo")
+    assert emulated["device"] == f"emulated GPU (h100_layer.json x S=30) on {real['device']}"
+    assert hardware_differences(emulated, real) and hardware_differences(real, emulated)
+    mark_process("/any/where/h100_layer.json", 50.0)  # another time scale is another device
+    assert hardware_differences(emulated, hardware_fingerprint(1, backend="gloo"))
