@@ -18,6 +18,11 @@ def _non_negative_mib(text: str) -> float:
     return value
 
 
+def _off_switch(group, flag: str, dest: str, help_text: str) -> None:
+    """A `--dhelix-no-X` flag: `dest` is True unless the flag is given."""
+    group.add_argument(flag, dest=dest, action="store_false", default=True, help=help_text)
+
+
 def add_dhelix_runtime_args(p: argparse.ArgumentParser):
     """Add the `--dhelix*` arguments of the DHelix runtime (`dhelix.runtime.setup`) to `p`
     in a group "dhelix", which is returned. Used by the Megatron-LM plugin on Megatron's own
@@ -38,17 +43,15 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
     g.add_argument("--dhelix-block-barriers", action="store_true", default=True,
                    help="wait for every block's collectives before the next block starts, as "
                         "the planner's cost model assumes (the default)")
-    g.add_argument("--dhelix-no-block-barriers", dest="dhelix_block_barriers",
-                   action="store_false",
-                   help="wait only at the end of each layer pair: a block's collectives may "
-                        "still be in flight when the next block starts (readers wait for what "
-                        "they read); measured slower on the emulated cluster "
-                        "(docs/benchmark.md)")
-    g.add_argument("--dhelix-no-layer-seams", dest="dhelix_layer_seams",
-                   action="store_false", default=True,
-                   help="run the layer pairs of an SI block strictly one after the other; by "
-                        "default a pair's trailing backward-only blocks run together with the "
-                        "next pair's leading forward-only blocks (docs/runtime.md)")
+    _off_switch(g, "--dhelix-no-block-barriers", "dhelix_block_barriers",
+                "wait only at the end of each layer pair: a block's collectives may "
+                "still be in flight when the next block starts (readers wait for what "
+                "they read); measured slower on the emulated cluster "
+                "(docs/benchmark.md)")
+    _off_switch(g, "--dhelix-no-layer-seams", "dhelix_layer_seams",
+                "run the layer pairs of an SI block strictly one after the other; by "
+                "default a pair's trailing backward-only blocks run together with the "
+                "next pair's leading forward-only blocks (docs/runtime.md)")
     g.add_argument("--dhelix-memory-margin", type=_non_negative_mib, default=None,
                    metavar="MIB",
                    help="memory bound of the dp pairer: no block of the plan may hold more "
@@ -57,10 +60,9 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                         "measured at start-up; default: 5%% of the saved activations of this "
                         "stage's layers, so the peak stays within about 1.05x Megatron's "
                         "(docs/planner.md)")
-    g.add_argument("--dhelix-no-memory-bound", dest="dhelix_memory_bound",
-                   action="store_false", default=True,
-                   help="plan without the memory bound: the fastest plan, which may hold up "
-                        "to one more layer's activations than Megatron")
+    _off_switch(g, "--dhelix-no-memory-bound", "dhelix_memory_bound",
+                "plan without the memory bound: the fastest plan, which may hold up "
+                "to one more layer's activations than Megatron")
     g.add_argument("--dhelix-attention", choices=ATTENTION_CHOICES, default="megatron",
                    help="core attention of the local layer spec (default megatron): megatron "
                         "is megatron-core's unfused DotProductAttention, sdpa torch's "
