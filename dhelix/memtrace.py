@@ -44,10 +44,17 @@ def _replay(events, keep_tid=None) -> int:
     earlier block was freed already: it is retired then, and its free event, when it
     arrives later, is ignored.
     """
+    return max((current for _, current in _live_trace(events, keep_tid)), default=0)
+
+
+def _live_trace(events, keep_tid=None):
+    """(time, live bytes after it) for each of `events` (time, size, ptr, tid) in order,
+    counting allocations of thread `keep_tid` only (every thread's when None); live bytes
+    start at 0. The retiring rule of `_replay`'s docstring applies."""
     live: dict = {}
     stale: dict = {}
-    current = peak = 0
-    for _, size, ptr, tid in events:
+    current = 0
+    for when, size, ptr, tid in events:
         if size > 0:
             if ptr in live:
                 current -= live.pop(ptr)
@@ -55,12 +62,11 @@ def _replay(events, keep_tid=None) -> int:
             if keep_tid is None or tid == keep_tid:
                 live[ptr] = size
                 current += size
-                peak = max(peak, current)
         elif stale.get(ptr):
             stale[ptr] -= 1
         else:
             current -= live.pop(ptr, 0)
-    return peak
+        yield when, current
 
 
 def measure_peak(fn: Callable[[], object]) -> Tuple[object, MemoryReading]:
@@ -116,34 +122,22 @@ def _replay_steps(events, keep_tid, bounds) -> list[tuple[int, int]]:
     """Per step (start_ns, end_ns) of `bounds`, in time order: (live bytes at its end, most
     live bytes during it), relative to the live bytes before the first step, counting only
     thread `keep_tid`'s allocations (as `_replay`)."""
-    live: dict = {}
-    stale: dict = {}
-    current = 0
     out = []
     step, peak, base = 0, None, None
-    for when, size, ptr, tid in list(events) + [(float("inf"), 0, None, None)]:
+    before = 0  # live bytes before the event at hand
+    for when, current in [*_live_trace(events, keep_tid), (float("inf"), None)]:
         while step < len(bounds) and when >= bounds[step][1]:
             if base is None:
-                base = current
-            out.append((current - base, (current if peak is None else peak) - base))
+                base = before
+            out.append((before - base, (before if peak is None else peak) - base))
             step, peak = step + 1, None
         if step < len(bounds) and when >= bounds[step][0]:
             if base is None:
-                base = current
-            peak = current if peak is None else peak
-        if ptr is None:
+                base = before
+            peak = before if peak is None else peak
+        if current is None:
             break
-        if size > 0:
-            if ptr in live:
-                current -= live.pop(ptr)
-                stale[ptr] = stale.get(ptr, 0) + 1
-            if tid == keep_tid:
-                live[ptr] = size
-                current += size
-        elif stale.get(ptr):
-            stale[ptr] -= 1
-        else:
-            current -= live.pop(ptr, 0)
+        before = current
         if peak is not None:
             peak = max(peak, current)
     return out

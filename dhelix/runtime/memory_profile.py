@@ -83,8 +83,8 @@ def measure_op_memory(bound, device: torch.device, rotary_pos_emb=None
         readings = measure_steps([step(o) for o in fwd_ids] + [turn]
                                  + [step(o) for o in bwd_ids] + [finish])
     handed.clear()
-    values = torch.tensor([v for pair in readings for v in pair], dtype=torch.float64,
-                          device=device)
+    values = torch.tensor([v for pair in readings for v in pair], device=device,
+                          dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     flat = [float(v) for v in values.tolist()]
