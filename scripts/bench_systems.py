@@ -97,6 +97,16 @@ def _leftovers(launcher_pid: int) -> list:
     return found
 
 
+def _cluster_launch(config, ns, link: str) -> list:
+    """The emulated cluster's command line for `config` on a link of `link`, with the
+    benchmark's scheduling, core placement and timeout, up to and including `--` (the
+    command torchrun runs on every node follows)."""
+    return [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
+            "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", link,
+            "--comm-priority", ns.comm_priority, "--comm-cores", ns.comm_cores,
+            "--timeout", str(ns.timeout), "--"]
+
+
 def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path,
                    emulation: dict | None = None) -> str | None:
     """Take the DHelix row's profile on the same emulated cluster (same shape, link and
@@ -117,10 +127,7 @@ def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path,
                    emulation["profile"], "--time-scale", str(emulation["time_scale"]),
                    "--gpu-emulation-trace", str(trace)]
         link = emulated_bandwidth(bandwidth, emulation["time_scale"])
-    command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
-               "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", link,
-               "--comm-priority", ns.comm_priority, "--comm-cores", ns.comm_cores,
-               "--timeout", str(ns.timeout), "--", "-m", "dhelix", "profile",
+    command = [*_cluster_launch(config, ns, link), "-m", "dhelix", "profile",
                # the runs' own arguments (dropout 0, vocabulary): the profile must fit them
                *RUN_ARGS, *model, *config.parallel_args(), *options, "--no-progress",
                "--overwrite",
@@ -205,10 +212,7 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
     load_before = [round(x, 2) for x in os.getloadavg()]
     status, cleanup, ranks = "not launched (no system available)", "nothing launched", []
     if available:
-        command = [sys.executable, str(LAUNCHER), "--nodes", str(config.nodes),
-                   "--ranks-per-node", str(config.ranks_per_node), "--bandwidth", link,
-                   "--comm-priority", ns.comm_priority, "--comm-cores", ns.comm_cores,
-                   "--timeout", str(ns.timeout), "--", str(Path(__file__).resolve()),
+        command = [*_cluster_launch(config, ns, link), str(Path(__file__).resolve()),
                    "--worker", str(spec_path)]
         print(f"[bench] ({config.name}) {config.description}: {len(available)} systems, "
               f"{bandwidth}" + (f" emulated at {link} (S={emulation['time_scale']:g})"
