@@ -25,8 +25,10 @@ dependencies are met), then times:
 On an emulated GPU (`dhelix profile --gpu-emulation`, `LayerUnderTest.emulated`, a
 `dhelix.gpu_emulation.emulated_run.EmulatedCalls`) every pass runs under the emulation
 (`LayerUnderTest.running`: compute kernels take the modelled time x S, asleep; collectives
-real), and the timer drains the emulated stream at the end of every region before reading
-the clock (`Timer(synchronize=...)`), as a CUDA event ends when its stream reaches it.
+real), and the timer drains the emulated stream before every region starts (the untimed operators
+that advanced the executions must not run into it, as `torch.cuda.synchronize` ensures on
+CUDA) and at its end before reading the clock (`Timer(synchronize=...)`), as a CUDA event
+ends when its stream reaches it.
 
 Every rank runs the same operators in the same order, so collectives stay matched. The
 executions are dropped after a pass (nothing is left pending: every region ends waiting on
@@ -64,7 +66,9 @@ class Timer:
     `sync_group` is a gloo group over the same ranks used for barriers and the MAX
     reduction (the default group on CPU). `synchronize` (CPU timer only): called at the end
     of every region before its end is read (an emulated GPU's stream drain,
-    `EmulatedCalls.synchronize`), so a region lasts until its kernels have ended."""
+    `EmulatedCalls.synchronize`), so a region lasts until its kernels have ended; also
+    called before every region, so kernels issued before it (the untimed operators that
+    advanced a pass) end before its clock starts."""
 
     def __init__(self, sync_group=None, cuda: bool | None = None, synchronize=None):
         self.sync_group = sync_group
@@ -82,6 +86,8 @@ class Timer:
                 warm_up_cuda()
                 self._warm = True
             torch.cuda.synchronize()
+        elif self._synchronize is not None:
+            self._synchronize()
         if dist.is_initialized():
             dist.barrier(group=self.sync_group)
 

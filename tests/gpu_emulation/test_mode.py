@@ -188,3 +188,25 @@ def test_memory_kernels_report_their_bytes():
     assert ops["_to_copy"].nbytes == a.numel() * (4 + 2)
     assert mode.report().by_term["memory.elementwise"].nbytes == ops["add"].nbytes + \
         ops["_to_copy"].nbytes
+
+
+def test_timer_region_excludes_kernels_issued_before_it():
+    """`profiler.timing.Timer` on an emulated GPU: kernels queued before a region (the
+    untimed operators that advance a profiling pass) end before its clock starts, as
+    `torch.cuda.synchronize` makes them on CUDA; the region's own kernels are in it."""
+    from profiler.timing import Timer
+
+    mode = _mode(scale=1.0)
+    a = torch.randn(256, 128)
+    with mode:
+        mode.enter_region("attention.unfused.bwd", 400.0)  # 0.4 s queued, host runs ahead
+        mode.exit_region()
+        timer = Timer(cuda=False, synchronize=mode.synchronize)
+        timer.time(lambda: a @ a.t())
+        mode.enter_region("attention.unfused.fwd", 200.0)
+        mode.exit_region()
+        timer.time(lambda: (mode.enter_region("attention.unfused.fwd", 150.0),
+                            mode.exit_region()))
+        first, second = timer.collect()
+    assert first < 100.0, f"the region waited for the 400 ms queued before it: {first:.0f} ms"
+    assert 150.0 <= second < 250.0, f"the region's own 150 ms kernel: {second:.0f} ms"
