@@ -2,8 +2,10 @@
 
 `classify(func)` sorts an aten operator into one of:
 - "real": runs for real, costs no modelled time: views (and `_unsafe_view`) and metadata
-  changes, factory ops (no tensor input) and allocations (`empty_like`, `new_empty`), host syncs (`_local_scalar_dense`), collectives (`c10d.*`,
-  `_c10d_functional.*`), RNG state queries.
+  changes, factory ops (no tensor input) and allocations (`empty_like`, `new_empty`), host
+  syncs (`_local_scalar_dense`), collectives (`c10d.*`, `_c10d_functional.*`), RNG state
+  queries. The filling factories among them (`is_fill_factory`: `zeros`, `ones`, `full`)
+  the mode fakes when large, as it fakes compute.
 - "compute": a GPU kernel: charged by `kernel_ms` and, unless the mode says otherwise, run
   on meta tensors for its output's shape.
 
@@ -36,6 +38,8 @@ _REAL_NAMES = {
     "empty_like", "new_empty", "new_empty_strided",
 }
 _SYNC_NAMES = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
+# factories that fill what they allocate (a fill kernel on a GPU)
+_FILL_FACTORIES = {"zeros", "ones", "full"}
 _GEMM_2D = {"mm", "addmm"}
 _GEMM_BATCHED = {"bmm", "baddbmm"}
 
@@ -69,6 +73,12 @@ def classify(func, args, kwargs) -> str:
     if not any(isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs))):
         return "real"  # factory: empty, zeros, full, arange, randn, scalar_tensor, ...
     return "compute"
+
+
+def is_fill_factory(func) -> bool:
+    """`zeros`, `ones`, `full`: a factory that writes every element it allocates (a memory
+    kernel on a GPU; on a CPU it touches every page)."""
+    return namespace(func) == "aten" and op_name(func) in _FILL_FACTORIES
 
 
 def is_inplace(func) -> bool:

@@ -9,8 +9,10 @@ parity tests). An in-place compute operator (`add_`, `copy_`, out=) is charged a
 its mutated arguments are returned (their version counters were already bumped by autograd's
 in-place key above this mode). Views, metadata changes, factory ops, host reads and every
 operator whose tensors all have at most `cheap_numel` elements run for real, so autograd,
-losses read with `.item()` and small bookkeeping keep working. An operator meta cannot run
-(data-dependent output shape) also runs for real, and is charged.
+losses read with `.item()` and small bookkeeping keep working; a filling factory (`zeros`,
+`ones`, `full`) of more elements is faked and charged like a compute operator (so the
+gradient buffers of a model built under the mode stay untouched pages too). An operator
+meta cannot run (data-dependent output shape) also runs for real, and is charged.
 
 Time: the mode keeps a stream clock like a CUDA stream. A kernel starts at max(now, the end
 of the previous kernel) and ends `modelled ms x time_scale` later (x (1 + overlap_slowdown)
@@ -44,7 +46,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from dhelix.c10d_ops import work_handles
 from dhelix.gpu_emulation.aten_costs import (
-    classify, is_communication, is_host_sync, is_inplace, kernel_ms, moved_bytes, op_name)
+    classify, is_communication, is_fill_factory, is_host_sync, is_inplace, kernel_ms,
+    moved_bytes, op_name)
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 
 # DHelix paper, Table 7: concurrent compute and communication kernels run 20-30% slower on H100.
@@ -192,6 +195,8 @@ class GpuEmulationMode(TorchDispatchMode):
             self._collectives += 1
             self._in_flight += [_unboxed(w) for w in work_handles(result)]
             return result
+        if is_fill_factory(func):
+            return self._fill_factory(func, args, kwargs)
         if classify(func, args, kwargs) == "real":
             if is_host_sync(func):
                 self.synchronize()
@@ -211,6 +216,23 @@ class GpuEmulationMode(TorchDispatchMode):
         self._charge(term, op_name(func), ms, nbytes)
         return out
 
+    def _fill_factory(self, func, args, kwargs):
+        """`zeros` / `ones` / `full`: run for real up to `cheap_numel` elements, else an
+        untouched `empty_strided` of the same layout (garbage values, like every faked
+        output: model building touches no gradient buffer), charged as a memory kernel."""
+        meta_out = func(*args, **{**kwargs, "device": "meta"})
+        if meta_out.numel() <= self.config.cheap_numel:
+            return func(*args, **kwargs)
+        device = kwargs.get("device") or torch.get_default_device()
+        out = torch.empty_strided(meta_out.shape, meta_out.stride(), dtype=meta_out.dtype,
+                                  device=device, pin_memory=bool(kwargs.get("pin_memory")))
+        if self._region is not None:
+            self._absorbed += 1
+            return out
+        term, ms = kernel_ms(self.model, func, args, kwargs, out)
+        self._charge(term, op_name(func), ms, moved_bytes(args, kwargs, out))
+        return out
+
     def _mutated(self, func, args, kwargs):
         """What an in-place operator returns: its written arguments, in schema order."""
         schema = func._schema
@@ -220,8 +242,14 @@ class GpuEmulationMode(TorchDispatchMode):
         return written[0] if len(schema.returns) == 1 else tuple(written)
 
     def _fake_outputs(self, func, args, kwargs, device):
+        """Outputs of `func`'s layout on `device` (or on the device it names: `_to_copy(...,
+        device=)`), computed on meta tensors; run for real where meta cannot."""
+        meta_kwargs = tree_map(_meta, kwargs)
+        if kwargs.get("device") is not None:
+            device = kwargs["device"]
+            meta_kwargs["device"] = "meta"
         try:
-            meta_out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+            meta_out = func(*tree_map(_meta, args), **meta_kwargs)
         except (NotImplementedError, RuntimeError):
             self._ran_for_real += 1
             return func(*args, **kwargs)

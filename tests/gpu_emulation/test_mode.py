@@ -146,7 +146,14 @@ def test_dispatch_rules_in_one_process():
         w.add_(1.0)                   # in-place compute: skipped, charged
         s = (small * 2).sum().item()  # cheap: real
         v = a.view(128, 256)          # view: real
+        f = a.to(device="cpu", dtype=torch.float64)  # _to_copy naming its device: faked
+        z = torch.zeros(256, 128)     # a filling factory above cheap_numel: faked, charged
+        z_small = torch.zeros(6)      # at most cheap_numel: real zeros
     assert y.shape == (256, 64) and y.dtype == a.dtype and y.device == a.device
+    assert f.dtype == torch.float64 and f.shape == a.shape and f.device == a.device
+    assert z.shape == (256, 128) and torch.equal(z_small, torch.zeros(6))
+    assert mode.report().ran_for_real == 0
+    assert mode.report().by_op["zeros"].count == 1 and mode.report().by_op["zeros"].nbytes == z.nbytes
     assert torch.equal(w, before) and w._version == 1
     assert s == 30.0 and v.data_ptr() == a.data_ptr()
     terms = mode.report().by_term
