@@ -24,6 +24,8 @@ list for the Domino-style pairing), so the baselines are options of one code pat
   what dropping the barriers gains or costs.
 - dhelix_no_seams: the same plan with `--dhelix-no-layer-seams` (the layer pairs of an SI
   block strictly one after the other): what overlapping them at their seams gains.
+- dhelix_no_memory_bound: the dp plan with `--dhelix-no-memory-bound`: the speed the
+  default memory bound gives up, and the memory it saves.
 
 With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped schedule
 (the pairer decides how each SI block's layer pairs are interleaved); Megatron runs 1F1B.
@@ -114,6 +116,9 @@ SYSTEMS = (
     System("dhelix_no_seams", "DHelix, layer pairs without seams",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-layer-seams"),
            uses_profile=True),
+    System("dhelix_no_memory_bound", "DHelix, no memory bound",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-memory-bound"),
+           uses_profile=True),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
@@ -155,6 +160,10 @@ CONFIGS = {
     "b": Config("b", 2, 2, tp=4, pp=1, description="2 nodes x 2 ranks, TP=4"),
     "c": Config("c", 2, 2, tp=2, pp=2,
                 description="2 nodes x 2 ranks, TP=2 within nodes, PP=2 across nodes"),
+    # PP=2 where every collective crosses a shaped link (the emulated GPU cluster's PP row:
+    # its intra-node links are not emulated, so (c)'s TP traffic would cost next to nothing)
+    "d": Config("d", 4, 1, tp=2, pp=2,
+                description="4 nodes x 1 rank, TP=2 and PP=2 across nodes"),
 }
 
 
