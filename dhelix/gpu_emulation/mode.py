@@ -59,11 +59,13 @@ class EmulationConfig:
     """`time_scale` S: every modelled kernel time is multiplied by S (divide the link rate by
     the same S to keep the GPU cluster's compute/communication ratio); `overlap_slowdown`:
     a kernel that runs while a collective is in flight takes (1 + this) x its time;
-    `cheap_numel`: operators whose tensors all have at most this many elements run for real."""
+    `cheap_numel`: operators whose tensors all have at most this many elements run for real
+    (8192: above the CPU generator's state, 5056 bytes, which Megatron's RNG tracker clones
+    and restores: a faked clone is garbage that `torch.set_rng_state` refuses)."""
 
     time_scale: float = 1.0
     overlap_slowdown: float = H100_OVERLAP_SLOWDOWN
-    cheap_numel: int = 4096
+    cheap_numel: int = 8192
 
     def __post_init__(self):
         if not self.time_scale > 0:
