@@ -1,0 +1,79 @@
+"""`--dhelix` with megatron-core's MoE layers keeps Megatron's training semantics: on 2 gloo
+ranks (EP=2, DP=2, TP=1; 4 experts, top-2, the alltoall dispatcher, the auxiliary
+load-balancing loss) a mixed dense/MoE stack (`--moe-layer-freq [1,1,0,1]`: the SI schedule
+pairs MoE with MoE, MoE with dense and dense with MoE layers) gives, step after step, the
+losses, the load-balancing loss of every layer and every gradient of Megatron's own
+no-pipelining schedule from the same seed and data, and every router call routes the same
+tokens to the same experts on both sides (routing maps recorded on Megatron's routers).
+One launch (tests/moe_ranks.py `moe_parity`), through the plugin's step harness."""
+
+import pytest
+
+from dhelix.harness import run_on_ranks
+from tests.engine_checks import assert_ran_on_the_engine
+from tests.moe_ranks import moe_parity
+from tests.plugin_parity_ranks import ParityCase
+
+pytestmark = pytest.mark.slow  # multi-process
+
+FP32_LOSS = 1e-6
+FP32_GRAD = 2e-7
+FP32_PARAM = 2e-7
+FP32_EVAL = 1e-6
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+       "alltoall", "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type",
+       "aux_loss", "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "192",
+       "--moe-layer-freq", "[1,1,0,1]", "--global-batch-size", "12")
+CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",))}
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def report():
+    ranks = run_on_ranks(moe_parity, 2, CASES, STEPS, timeout_s=400,
+                         env={"OMP_NUM_THREADS": "1"})
+    return [rank["ep2_mixed_dp"] for rank in ranks]
+
+
+def test_losses_aux_losses_and_gradients_equal_megatron(report):
+    for entry in report:
+        # the compared gradients include the router and the experts of every MoE layer
+        keys = entry["grad_keys"]
+        assert sum(".router.weight" in k for k in keys) == 3, keys
+        assert sum(".experts." in k and "linear_fc1.weight" in k for k in keys) == 3, keys
+        assert entry["eval_loss_diff"] <= FP32_EVAL
+        assert len(entry["rows"]) == STEPS
+        for row in entry["rows"]:
+            assert row["loss_diff"] <= FP32_LOSS, row
+            assert row["grad_diff"] <= FP32_GRAD, row
+            assert row["param_diff"] <= FP32_PARAM, row
+        for ref, got in zip(entry["aux_ref"], entry["aux"]):
+            assert ref is not None and got is not None
+            # layers 1, 2 and 4 are MoE: each recorded a loss; the dense layer 3 none
+            assert [v > 0 for v in ref] == [True, True, False, True]
+            assert max(abs(a - b) for a, b in zip(ref, got)) <= FP32_LOSS, (ref, got)
+
+
+def test_router_decisions_are_identical(report):
+    for entry in report:
+        assert entry["routing_equal"]
+        assert entry["moe_layers"] == [1, 2, 4]
+        # 3 MoE layers x 3 micro-batches x 2 steps, each call 64 x 2 tokens, top-2
+        assert entry["router_calls"] == 3 * 3 * STEPS
+        assert entry["routed_pairs"] == 3 * 3 * STEPS * 128 * 2
+
+
+def test_moe_layers_ran_as_operators_with_their_all_to_alls_on_lanes(report):
+    for entry in report:
+        # the one-stage SI list with the operator pass engine: 3 micro-batches, 2 SI blocks
+        assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
+        assert all(rank["si_blocks"] == 2 for rank in entry["executed"]["train"])
+        assert entry["moe_fwd_ops"][5:] == ["ln2", "router", "counts.ag", "permute",
+                                            "dispatch.a2a", "experts", "combine.a2a",
+                                            "unpermute", "bda2"]
+        assert "combine.a2a_grad" in entry["moe_bwd_ops"]
+        assert "dispatch.a2a_grad" in entry["moe_bwd_ops"]
+        assert entry["lanes"] == ["ep"]
+        # MoE x MoE, MoE x dense and dense x MoE layer pairs each have their plan
+        assert entry["pair_plans"] == 3, entry["describe"]
