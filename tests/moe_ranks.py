@@ -126,7 +126,26 @@ def _routing_report(ref: list, got: list) -> dict:
             "moe_layers": sorted(ref[0]) if ref else []}
 
 
-def moe_parity(ctx, cases: dict, steps: int) -> dict:
+PROFILE = "@profile"  # in a case's --dhelix arguments: the profile `moe_parity` made
+
+
+def _profile(case, output: str) -> dict:
+    """`dhelix profile` of `case`'s model in this launch (collective; `profiler.cli`'s
+    job, a short one: 1 warm-up pass, 2 repeats, 12 pairs): the profile's cost keys."""
+    import argparse
+
+    from profiler.cli import add_options, profile_job
+
+    parser = argparse.ArgumentParser()
+    add_options(parser)
+    args = parser.parse_args(["-o", output, "--no-progress", "--warmup", "1", "--repeats", "2",
+                              "--max-pairs", "12"])
+    result = profile_job(args, case.stock_argv())
+    return {"complete": result.complete, "solo_keys": sorted(result.solo),
+            "pairs": len(result.pairs)}
+
+
+def moe_parity(ctx, cases: dict, steps: int, workdir: str | None = None) -> dict:
     """For each case NAME -> `tests.plugin_parity_ranks.ParityCase` (MoE Megatron
     arguments): stock Megatron, then `--dhelix`, from the same seed and data, each stepped
     `steps` times by Megatron's `train_step`. Per case: the step comparison rows (loss,
@@ -139,9 +158,18 @@ def moe_parity(ctx, cases: dict, steps: int) -> dict:
     from megatron_patches.step_harness import build_run, close_all_runs
     from tests.plugin_parity_ranks import compare_steps, engine_record, eval_loss
 
+    import dataclasses
+    from pathlib import Path
+
     report = {}
     try:
         for name, case in cases.items():
+            profiled = None
+            if PROFILE in case.dhelix:
+                output = str(Path(workdir) / f"{name}.json")
+                profiled = _profile(case, output)
+                case = dataclasses.replace(case, dhelix=tuple(
+                    output if word == PROFILE else word for word in case.dhelix))
             stock = build_run(SCRIPT, case.stock_argv())
             ref = _moe_steps(stock, steps)
             run = build_run(SCRIPT, case.dhelix_argv())
@@ -152,6 +180,8 @@ def moe_parity(ctx, cases: dict, steps: int) -> dict:
             trained = engine_record(run)
             eval_diff = abs(eval_loss(stock) - eval_loss(run))
             report[name] = {
+                "profile": profiled,
+                "plan_source": setup.plan_source,
                 "executed": {"train": trained, "eval": engine_record(run)},
                 "eval_loss_diff": eval_diff,
                 "grad_keys": sorted(ref["steps"][0]["grads"]),

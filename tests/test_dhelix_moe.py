@@ -5,13 +5,15 @@ pairs MoE with MoE, MoE with dense and dense with MoE layers) gives, step after 
 losses, the load-balancing loss of every layer and every gradient of Megatron's own
 no-pipelining schedule from the same seed and data, and every router call routes the same
 tokens to the same experts on both sides (routing maps recorded on Megatron's routers).
-One launch (tests/moe_ranks.py `moe_parity`), through the plugin's step harness."""
+An all-MoE stack is profiled by `dhelix profile` in the same launch and trained from a plan
+made from that profile, with the same checks. One launch (tests/moe_ranks.py
+`moe_parity`), through the plugin's step harness."""
 
 import pytest
 
 from dhelix.harness import run_on_ranks
 from tests.engine_checks import assert_ran_on_the_engine
-from tests.moe_ranks import moe_parity
+from tests.moe_ranks import PROFILE, moe_parity
 from tests.plugin_parity_ranks import ParityCase
 
 pytestmark = pytest.mark.slow  # multi-process
@@ -25,15 +27,27 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-t
        "alltoall", "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type",
        "aux_loss", "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "192",
        "--moe-layer-freq", "[1,1,0,1]", "--global-batch-size", "12")
-CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",))}
+# every layer MoE: profiled by `dhelix profile` in the same launch, planned from the profile
+ALL_MOE = tuple(w if w != "[1,1,0,1]" else "1" for w in MOE)
+CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
+         "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE))}
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def report():
-    ranks = run_on_ranks(moe_parity, 2, CASES, STEPS, timeout_s=400,
-                         env={"OMP_NUM_THREADS": "1"})
-    return [rank["ep2_mixed_dp"] for rank in ranks]
+def launch(tmp_path_factory):
+    return run_on_ranks(moe_parity, 2, CASES, STEPS, str(tmp_path_factory.mktemp("moe")),
+                        timeout_s=400, env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def report(launch):
+    return [rank["ep2_mixed_dp"] for rank in launch]
+
+
+@pytest.fixture(scope="module")
+def profiled(launch):
+    return [rank["ep2_all_moe_profiled"] for rank in launch]
 
 
 def test_losses_aux_losses_and_gradients_equal_megatron(report):
@@ -77,3 +91,24 @@ def test_moe_layers_ran_as_operators_with_their_all_to_alls_on_lanes(report):
         assert entry["lanes"] == ["ep"]
         # MoE x MoE, MoE x dense and dense x MoE layer pairs each have their plan
         assert entry["pair_plans"] == 3, entry["describe"]
+
+
+def test_an_all_moe_stack_profiled_and_planned_from_its_profile(profiled):
+    """`dhelix profile` measures the MoE operators (their cost keys in the profile), and
+    `--dhelix --dhelix-profile` plans from it (one plan: every layer MoE) with the same
+    parity and routing."""
+    for entry in profiled:
+        keys = entry["profile"]["solo_keys"]
+        assert entry["profile"]["complete"] and entry["profile"]["pairs"] > 0
+        for name in ("router.fwd(", "router.bwd(", "permute.fwd(", "experts.fwd(",
+                     "experts.bwd(", "unpermute.bwd(", "all_to_all(", "all_gather("):
+            assert any(k.startswith(name) for k in keys), (name, keys)
+        assert "costs from profile" in entry["plan_source"], entry["plan_source"]
+        assert entry["pair_plans"] == 0  # identical layers: one plan
+        assert entry["routing_equal"] and entry["moe_layers"] == [1, 2, 3, 4]
+        for row in entry["rows"]:
+            assert row["loss_diff"] <= FP32_LOSS and row["grad_diff"] <= FP32_GRAD, row
+            assert row["param_diff"] <= FP32_PARAM, row
+        for ref, got in zip(entry["aux_ref"], entry["aux"]):
+            assert max(abs(a - b) for a, b in zip(ref, got)) <= FP32_LOSS, (ref, got)
+        assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
