@@ -5,8 +5,9 @@ code touching MoE internals, as `layer_regions` is for the dense layer.
 Each region calls Megatron's own code on Megatron's own modules: the router
 (`MoELayer.route`: gating, top-k, the auxiliary load-balancing loss attached to the
 probabilities and recorded in Megatron's MoE metrics tracker), `moe_utils.permute` /
-`unpermute` / `sort_chunks_by_idxs` with the dispatcher's sort indices, and the layer's
-experts module (`SequentialMLP`). What `MoEAlltoAllTokenDispatcher` keeps on itself between
+`unpermute` / `sort_chunks_by_idxs` with the dispatcher's sort indices, and each local
+expert's own MLP code between its GEMMs (`layer_regions.expert_activation` /
+`expert_fc2_bias`; the GEMMs are the operators' own, as for the dense MLP). What `MoEAlltoAllTokenDispatcher` keeps on itself between
 its steps (split sizes, permutation rows, routing map) is returned here as values, which the
 operators hold per micro-batch, so two micro-batches can be in flight in one layer.
 `dispatch_splits` repeats the dispatcher's `preprocess` arithmetic for TP=1 (dropless), from
@@ -77,27 +78,46 @@ def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> Dispatch
                           per_local_expert=per_local_expert.view(-1, local_experts))
 
 
-def experts_region(moe_layer, tokens: torch.Tensor, probs: torch.Tensor,
-                   splits: DispatchSplits) -> torch.Tensor:
-    """`dispatch_postprocess` (sort received rows by local expert), the experts module, and
-    `combine_preprocess` (the inverse sort), TP=1: received rows in, expert output rows (in
-    received order) out."""
+def sort_received(moe_layer, tokens: torch.Tensor, probs: torch.Tensor,
+                  splits: DispatchSplits):
+    """`dispatch_postprocess` for TP=1: the received rows (and probabilities) sorted by
+    local expert (unchanged, as views, with one local expert)."""
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
     dispatcher = moe_layer.token_dispatcher
-    fused = moe_layer.config.moe_permute_fusion
-    if dispatcher.num_local_experts > 1:
-        tokens, probs = sort_chunks_by_idxs(tokens, splits.per_local_expert.ravel(),
-                                            dispatcher.sort_input_by_local_experts,
-                                            probs=probs, fused=fused)
-    output, bias = moe_layer.experts(tokens, splits.tokens_per_expert, probs)
-    if bias is not None:
-        raise RuntimeError("MoE experts returned a bias; megatron-core's alltoall dispatcher "
-                           "does not support one")
-    if dispatcher.num_local_experts > 1:
-        output, _ = sort_chunks_by_idxs(output, splits.per_local_expert.T.ravel(),
-                                        dispatcher.restore_output_by_local_experts, fused=fused)
+    if dispatcher.num_local_experts == 1:
+        return tokens.view_as(tokens), probs.view_as(probs)
+    return sort_chunks_by_idxs(tokens, splits.per_local_expert.ravel(),
+                               dispatcher.sort_input_by_local_experts, probs=probs,
+                               fused=moe_layer.config.moe_permute_fusion)
+
+
+def unsort_expert_rows(moe_layer, rows: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
+    """`combine_preprocess` for TP=1: expert output rows back in received order."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    dispatcher = moe_layer.token_dispatcher
+    if dispatcher.num_local_experts == 1:
+        return rows
+    output, _ = sort_chunks_by_idxs(rows, splits.per_local_expert.T.ravel(),
+                                    dispatcher.restore_output_by_local_experts,
+                                    fused=moe_layer.config.moe_permute_fusion)
     return output
+
+
+def local_experts(moe_layer) -> list:
+    """The rank's local experts (megatron-core MLPs), in order."""
+    return list(moe_layer.experts.local_experts)
+
+
+def expert_rows(splits: DispatchSplits) -> list:
+    """(start, stop) of each local expert's rows in the sorted received rows (SequentialMLP
+    splits them by `tokens_per_expert`)."""
+    bounds, start = [], 0
+    for count in splits.tokens_per_expert.tolist():
+        bounds.append((start, start + count))
+        start += count
+    return bounds
 
 
 def unpermute_tokens(moe_layer, rows_back: torch.Tensor, permutation_rows: torch.Tensor,

@@ -29,7 +29,12 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-t
        "--moe-layer-freq", "[1,1,0,1]", "--global-batch-size", "12")
 # every layer MoE: profiled by `dhelix profile` in the same launch, planned from the profile
 ALL_MOE = tuple(w if w != "[1,1,0,1]" else "1" for w in MOE)
+# SwiGLU experts without biases (no FC2-bias term: one probability gradient), RMSNorm,
+# planned by the Wavelet-style round robin
+LLAMA = ("--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm")
 CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
+         "ep2_mixed_llama_round_robin": ParityCase(MOE + LLAMA, ("--dhelix", "--dhelix-pairer",
+                                                                 "round_robin")),
          "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE))}
 STEPS = 2
 
@@ -40,9 +45,9 @@ def launch(tmp_path_factory):
                         timeout_s=400, env={"OMP_NUM_THREADS": "1"})
 
 
-@pytest.fixture(scope="module")
-def report(launch):
-    return [rank["ep2_mixed_dp"] for rank in launch]
+@pytest.fixture(scope="module", params=["ep2_mixed_dp", "ep2_mixed_llama_round_robin"])
+def report(launch, request):
+    return [dict(rank[request.param], case=request.param) for rank in launch]
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +88,14 @@ def test_moe_layers_ran_as_operators_with_their_all_to_alls_on_lanes(report):
         # the one-stage SI list with the operator pass engine: 3 micro-batches, 2 SI blocks
         assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
         assert all(rank["si_blocks"] == 2 for rank in entry["executed"]["train"])
-        assert entry["moe_fwd_ops"][5:] == ["ln2", "router", "counts.ag", "permute",
-                                            "dispatch.a2a", "experts", "combine.a2a",
-                                            "unpermute", "bda2"]
+        assert entry["moe_fwd_ops"][5:] == [
+            "ln2", "router", "counts.ag", "permute", "dispatch.a2a", "experts.sort",
+            "experts.fc1", "experts.act", "experts.fc2", "experts.unsort", "combine.a2a",
+            "unpermute", "bda2"]
+        assert "experts.fc1.wgrad" in entry["moe_bwd_ops"]
+        # the probabilities' two gradients are summed only when the experts have biases
+        assert ("experts.probs_sum" in entry["moe_bwd_ops"]) == entry["moe_bias"]
+        assert entry["moe_bias"] == ("llama" not in entry["case"])
         assert "combine.a2a_grad" in entry["moe_bwd_ops"]
         assert "dispatch.a2a_grad" in entry["moe_bwd_ops"]
         assert entry["lanes"] == ["ep"]
@@ -100,8 +110,9 @@ def test_an_all_moe_stack_profiled_and_planned_from_its_profile(profiled):
     for entry in profiled:
         keys = entry["profile"]["solo_keys"]
         assert entry["profile"]["complete"] and entry["profile"]["pairs"] > 0
-        for name in ("router.fwd(", "router.bwd(", "permute.fwd(", "experts.fwd(",
-                     "experts.bwd(", "unpermute.bwd(", "all_to_all(", "all_gather("):
+        for name in ("router.fwd(", "router.bwd(", "permute.fwd(", "expert_linear.fwd(",
+                     "expert_linear.dgrad(", "expert_linear.wgrad(", "expert_gelu.bwd(",
+                     "unpermute.bwd(", "all_to_all(", "all_gather("):
             assert any(k.startswith(name) for k in keys), (name, keys)
         assert "costs from profile" in entry["plan_source"], entry["plan_source"]
         assert entry["pair_plans"] == 0  # identical layers: one plan

@@ -1,17 +1,26 @@
 """The MLP half of an MoE TransformerLayer as operators (after the attention half, which is
-the dense layer's). Forward, 8 operators:
+the dense layer's). Forward, 13 operators:
 
-    ln2, router, counts.ag, permute, dispatch.a2a, experts, combine.a2a, unpermute, bda2
+    ln2, router, counts.ag, permute, dispatch.a2a,
+    experts.sort, experts.fc1, experts.act, experts.fc2, experts.unsort,
+    combine.a2a, unpermute, bda2
 
 (`counts.ag` exchanges each rank's token count per expert over the expert-parallel group:
-the all-to-all split sizes are known only after routing); backward, 9 operators:
+the all-to-all split sizes are known only after routing); backward, 16 operators (15 when
+the experts have no biases):
 
-    bda2.bwd, unpermute.bwd, combine.a2a_grad, experts.bwd, dispatch.a2a_grad,
+    bda2.bwd, unpermute.bwd, combine.a2a_grad, experts.unsort.bwd,
+    experts.fc2.dgrad, experts.fc2.wgrad, experts.act.bwd, experts.fc1.dgrad,
+    experts.fc1.wgrad, experts.probs_sum, experts.sort.bwd, dispatch.a2a_grad,
     permute.bwd, router.bwd, ln2.grad_sum, ln2.bwd
 
-`experts` runs the rank's local experts (megatron-core's SequentialMLP, with the sort of
-the received tokens by local expert before and the inverse sort after); its backward is
-one operator (`experts.bwd`, a traced graph: dgrad and wgrad are not split). The layer
+The `experts.*` operators are the rank's local experts (megatron-core's SequentialMLP) taken
+apart as the dense MLP is: the received rows sorted by local expert, each expert's FC1 GEMM
+on its rows, each expert's own MLP code between the GEMMs (FC1 bias, activation, the
+routing probabilities), its FC2 GEMM, then its FC2 bias times the probabilities and the
+inverse sort. Each GEMM's backward is a dgrad and a movable wgrad (one operator each over
+all local experts, `expert_linear_*`). The routing probabilities feed the activation and
+the FC2 bias, so their gradient is a two-term sum (`experts.probs_sum`). The layer
 input of the MLP half (`ln2.out`) feeds two readers, the router and the permutation, so its
 gradient is the sum of their two gradients (`ln2.grad_sum`; two terms, so the sum is
 bit-identical to autograd's accumulation in either order).
@@ -52,6 +61,95 @@ def _a2a(b, direction: str, op_id: str, inputs, outputs, rows: int) -> None:
          group="ep", channel=d.ep_channel, to_experts=op_id in TO_EXPERTS)
 
 
+def _expert_key(b, name: str, **dims) -> str:
+    d = b.desc
+    return b.key(name, rows=d.tokens_local * d.moe.topk, experts=d.moe.num_local_experts,
+                 **dims)
+
+
+def _experts_forward(b, recv) -> None:
+    """The local experts on the received rows: sort by expert, FC1 GEMMs, activation with
+    the probabilities, FC2 GEMMs, FC2 bias with the probabilities and the inverse sort."""
+    d = b.desc
+    h, f = d.hidden_size, d.moe.ffn_hidden_size
+    f1 = 2 * f if d.gated_linear_unit else f
+    _rows(b, "experts.in", recv, h)
+    _rows(b, "experts.probs", recv)
+    b.op("fwd", "experts.sort", "moe_sort", COMP, "permute",
+         ["dispatch.tokens", "dispatch.probs", "dispatch.splits"],
+         ["experts.in", "experts.probs", b.graph("experts.sort.graph")],
+         _expert_key(b, "expert_sort.fwd", h=h), module="mlp")
+    _rows(b, "experts.fc1.out", recv, f1)
+    b.op("fwd", "experts.fc1", "expert_linear_fwd", COMP, "gemm",
+         ["experts.in", "dispatch.splits"], ["experts.fc1.out"],
+         _expert_key(b, "expert_linear.fwd", n=f1, k=h), linear="linear_fc1")
+    _rows(b, "experts.act.out", recv, f)
+    b.op("fwd", "experts.act", "expert_activation", COMP, "elementwise",
+         ["experts.fc1.out", "experts.probs", "dispatch.splits"],
+         ["experts.act.out", b.graph("experts.act.graph")],
+         _expert_key(b, f"expert_{d.activation_kernel}.fwd", f=f1, bias=d.add_bias_linear))
+    _rows(b, "experts.fc2.out", recv, h)
+    b.op("fwd", "experts.fc2", "expert_linear_fwd", COMP, "gemm",
+         ["experts.act.out", "dispatch.splits"], ["experts.fc2.out"],
+         _expert_key(b, "expert_linear.fwd", n=h, k=f), linear="linear_fc2")
+    _rows(b, "experts.out", recv, h)
+    probs = ["experts.probs"] if d.add_bias_linear else []
+    b.op("fwd", "experts.unsort", "moe_unsort", COMP, "permute",
+         ["experts.fc2.out", *probs, "dispatch.splits"],
+         ["experts.out", b.graph("experts.unsort.graph")],
+         _expert_key(b, "expert_unsort.fwd", h=h, bias=d.add_bias_linear), module="mlp")
+
+
+def _experts_backward(b, recv) -> None:
+    """Backward of `_experts_forward`: each GEMM as a dgrad and a movable wgrad; the
+    probabilities' two gradients (activation, FC2 bias) summed when the experts have
+    biases."""
+    d = b.desc
+    h, f = d.hidden_size, d.moe.ffn_hidden_size
+    f1 = 2 * f if d.gated_linear_unit else f
+    bias = d.add_bias_linear
+    _rows(b, "d.experts.fc2.out", recv, h)
+    probs_grads = ["d.experts.probs.bias"] if bias else []
+    for name in probs_grads:
+        _rows(b, name, recv)
+    b.op("bwd", "experts.unsort.bwd", "graph_bwd", COMP, "permute",
+         ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
+         _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
+         grads_of=("x", "probs") if bias else ("x",))
+    _rows(b, "d.experts.act.out", recv, f)
+    b.op("bwd", "experts.fc2.dgrad", "expert_linear_dgrad", COMP, "gemm",
+         ["d.experts.fc2.out", "dispatch.splits"], ["d.experts.act.out"],
+         _expert_key(b, "expert_linear.dgrad", n=h, k=f), linear="linear_fc2")
+    b.op("bwd", "experts.fc2.wgrad", "expert_linear_wgrad", COMP, "gemm",
+         ["d.experts.fc2.out", "experts.act.out", "dispatch.splits"], [],
+         _expert_key(b, "expert_linear.wgrad", n=h, k=f), movable=True, linear="linear_fc2")
+    _rows(b, "d.experts.fc1.out", recv, f1)
+    act_probs = "d.experts.probs.act" if bias else "d.experts.probs"
+    _rows(b, act_probs, recv)
+    b.op("bwd", "experts.act.bwd", "graph_bwd", COMP, "elementwise",
+         ["experts.act.graph", "d.experts.act.out"], ["d.experts.fc1.out", act_probs],
+         _expert_key(b, f"expert_{d.activation_kernel}.bwd", f=f1, bias=bias),
+         grads_of=("x", "probs"))
+    _rows(b, "d.experts.in", recv, h)
+    b.op("bwd", "experts.fc1.dgrad", "expert_linear_dgrad", COMP, "gemm",
+         ["d.experts.fc1.out", "dispatch.splits"], ["d.experts.in"],
+         _expert_key(b, "expert_linear.dgrad", n=f1, k=h), linear="linear_fc1")
+    b.op("bwd", "experts.fc1.wgrad", "expert_linear_wgrad", COMP, "gemm",
+         ["d.experts.fc1.out", "experts.in", "dispatch.splits"], [],
+         _expert_key(b, "expert_linear.wgrad", n=f1, k=h), movable=True, linear="linear_fc1")
+    if bias:
+        _rows(b, "d.experts.probs", recv)
+        b.op("bwd", "experts.probs_sum", "grad_sum", COMP, "elementwise",
+             ["d.experts.probs.act", "d.experts.probs.bias"], ["d.experts.probs"],
+             _expert_key(b, "add"))
+    _rows(b, "d.dispatch.tokens", recv, h)
+    _rows(b, "d.dispatch.probs", recv)
+    b.op("bwd", "experts.sort.bwd", "graph_bwd", COMP, "permute",
+         ["experts.sort.graph", "d.experts.in", "d.experts.probs"],
+         ["d.dispatch.tokens", "d.dispatch.probs"], _expert_key(b, "expert_sort.bwd", h=h),
+         grads_of=("x", "probs"))
+
+
 def moe_forward(b, norm) -> None:
     """Forward ops of the MoE MLP half from `h1` to `y`; `norm(b)` emits `ln2`."""
     d = b.desc
@@ -78,13 +176,7 @@ def moe_forward(b, norm) -> None:
     _rows(b, "dispatch.probs", recv)
     _a2a(b, "fwd", "dispatch.a2a", ["permute.tokens", "permute.probs", "counts"],
          ["dispatch.tokens", "dispatch.probs", b.aux("dispatch.splits")], routed)
-    _rows(b, "experts.out", recv, h)
-    b.op("fwd", "experts", "moe_experts", COMP, "gemm",
-         ["dispatch.tokens", "dispatch.probs", "dispatch.splits"],
-         ["experts.out", b.graph("experts.graph")],
-         b.key("experts.fwd", rows=routed, h=h, f=moe.ffn_hidden_size,
-               experts=moe.num_local_experts, act=d.activation_kernel,
-               bias=d.add_bias_linear), module="mlp.experts")
+    _experts_forward(b, recv)
     _rows(b, "combine.out", routed, h)
     _a2a(b, "fwd", "combine.a2a", ["experts.out", "dispatch.splits"], ["combine.out"], routed)
     b.tensor("mlp.out", d.local_seq, h)
@@ -116,13 +208,7 @@ def moe_backward(b, norm_backward) -> None:
     _rows(b, "d.experts.out", recv, h)
     _a2a(b, "bwd", "combine.a2a_grad", ["d.combine.out", "dispatch.splits"], ["d.experts.out"],
          routed)
-    _rows(b, "d.dispatch.tokens", recv, h)
-    _rows(b, "d.dispatch.probs", recv)
-    b.op("bwd", "experts.bwd", "graph_bwd", COMP, "gemm", ["experts.graph", "d.experts.out"],
-         ["d.dispatch.tokens", "d.dispatch.probs"],
-         b.key("experts.bwd", rows=routed, h=h, f=moe.ffn_hidden_size,
-               experts=moe.num_local_experts, act=d.activation_kernel,
-               bias=d.add_bias_linear), grads_of=("x", "probs"))
+    _experts_backward(b, recv)
     _rows(b, "d.permute.tokens", routed, h)
     _rows(b, "d.permute.probs", routed)
     _a2a(b, "bwd", "dispatch.a2a_grad", ["d.dispatch.tokens", "d.dispatch.probs",

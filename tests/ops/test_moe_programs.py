@@ -19,10 +19,13 @@ from dhelix.topology import NodeTopology
 from megatron_patches.parsed_arguments import parse_megatron_args
 from tests.megatron_lm_ranks import TINY
 
-MOE_FWD = ["ln2", "router", "counts.ag", "permute", "dispatch.a2a", "experts", "combine.a2a",
+MOE_FWD = ["ln2", "router", "counts.ag", "permute", "dispatch.a2a", "experts.sort",
+           "experts.fc1", "experts.act", "experts.fc2", "experts.unsort", "combine.a2a",
            "unpermute", "bda2"]
-MOE_BWD = ["bda2.bwd", "unpermute.bwd", "combine.a2a_grad", "experts.bwd",
-           "dispatch.a2a_grad", "permute.bwd", "router.bwd", "ln2.grad_sum", "ln2.bwd"]
+MOE_BWD = ["bda2.bwd", "unpermute.bwd", "combine.a2a_grad", "experts.unsort.bwd",
+           "experts.fc2.dgrad", "experts.fc2.wgrad", "experts.act.bwd", "experts.fc1.dgrad",
+           "experts.fc1.wgrad", "experts.probs_sum", "experts.sort.bwd", "dispatch.a2a_grad",
+           "permute.bwd", "router.bwd", "ln2.grad_sum", "ln2.bwd"]
 MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
             "alltoall", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"]
 
@@ -39,7 +42,7 @@ def describe_moe(ranks_per_node=None, ep_ranks=(0, 1), **moe):
 def test_moe_mlp_operators():
     programs = build_layer_programs(describe_moe())
     assert programs.forward.ids[5:] == MOE_FWD
-    assert programs.backward.ids[:9] == MOE_BWD
+    assert programs.backward.ids[:16] == MOE_BWD
     # the attention half is the dense layer's
     assert programs.forward.ids[:5] == ["ln1", "qkv", "attn", "proj", "bda1"]
     comm = {op.id: op for op in (*programs.forward.ops, *programs.backward.ops)
@@ -55,8 +58,18 @@ def test_moe_mlp_operators():
     fwd = programs.forward
     assert set(fwd["dispatch.a2a"].deps) == {"permute", "counts.ag"}
     assert programs.backward["ln2.grad_sum"].deps == ("permute.bwd", "router.bwd")
-    assert fwd["experts"].cost_key == ("experts.fwd(rows=32,h=64,f=96,experts=2,act=gelu,"
-                                       "bias=1)/float32")
+    assert fwd["experts.fc1"].cost_key == ("expert_linear.fwd(rows=32,experts=2,n=96,k=64)"
+                                           "/float32")
+    bwd = programs.backward
+    # each expert GEMM's backward: a dgrad and a movable wgrad (reading the saved input)
+    assert {op.id for op in bwd.ops if op.movable} == {
+        "experts.fc1.wgrad", "experts.fc2.wgrad", "proj.wgrad", "qkv.wgrad"}
+    assert bwd["experts.fc1.wgrad"].deps == ("experts.act.bwd",)
+    assert "experts.in" in programs.saved and "experts.act.out" in programs.saved
+    # without biases the probabilities have one gradient: no sum
+    no_bias = build_layer_programs(replace(describe_moe(), add_bias_linear=False))
+    assert "experts.probs_sum" not in no_bias.backward.ids
+    assert len(no_bias.backward) == len(bwd) - 1
     assert fwd["dispatch.a2a"].cost_key == "all_to_all(rows=32,h=64)/float32/g2/intra"
 
 
