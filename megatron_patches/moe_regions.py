@@ -157,6 +157,15 @@ def check_supported_moe_layer(layer) -> list:
     if not isinstance(mlp.experts, SequentialMLP):
         problems.append(f"experts {type(mlp.experts).__name__} (SequentialMLP only: drop "
                         "--moe-grouped-gemm)")
+    else:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        for index, expert in enumerate(mlp.experts.local_experts):
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            if not (type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear
+                    and fc1.skip_bias_add and fc2.skip_bias_add):
+                problems.append(f"local expert {index}'s linears must be Column/RowParallelLinear "
+                                "that skip their bias add (the local spec)")
     if mlp.shared_experts is not None:
         problems.append("shared experts")
     return problems

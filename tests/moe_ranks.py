@@ -194,7 +194,8 @@ def moe_parity(ctx, cases: dict, steps: int, workdir: str | None = None) -> dict
                 "moe_fwd_ops": list(moe_programs[0].forward.ids) if moe_programs else [],
                 "moe_bwd_ops": list(moe_programs[0].backward.ids) if moe_programs else [],
                 "moe_bias": bool(moe_programs and moe_programs[0].description.add_bias_linear),
-                "lanes": sorted({role for role, _, _ in setup.runner.lanes.groups})
+                "lanes": sorted({(role, channel) for role, channel, _ in
+                                 setup.runner.lanes.groups})
                 if setup.runner.lanes is not None else [],
             }
             run.close()

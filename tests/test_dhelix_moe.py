@@ -1,5 +1,5 @@
 """`--dhelix` with megatron-core's MoE layers keeps Megatron's training semantics: on 2 gloo
-ranks (EP=2, DP=2, TP=1; 4 experts, top-2, the alltoall dispatcher, the auxiliary
+ranks, one per (emulated) node (EP=2 across the nodes, DP=2, TP=1; 4 experts, top-2, the alltoall dispatcher, the auxiliary
 load-balancing loss) a mixed dense/MoE stack (`--moe-layer-freq [1,1,0,1]`: the SI schedule
 pairs MoE with MoE, MoE with dense and dense with MoE layers) gives, step after step, the
 losses, the load-balancing loss of every layer and every gradient of Megatron's own
@@ -42,7 +42,8 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     return run_on_ranks(moe_parity, 2, CASES, STEPS, str(tmp_path_factory.mktemp("moe")),
-                        timeout_s=400, env={"OMP_NUM_THREADS": "1"})
+                        timeout_s=400, env={"OMP_NUM_THREADS": "1",
+                                            "DHELIX_RANKS_PER_NODE": "1"})
 
 
 @pytest.fixture(scope="module", params=["ep2_mixed_dp", "ep2_mixed_llama_round_robin"])
@@ -98,7 +99,9 @@ def test_moe_layers_ran_as_operators_with_their_all_to_alls_on_lanes(report):
         assert entry["moe_bias"] == ("llama" not in entry["case"])
         assert "combine.a2a_grad" in entry["moe_bwd_ops"]
         assert "dispatch.a2a_grad" in entry["moe_bwd_ops"]
-        assert entry["lanes"] == ["ep"]
+        # one rank per node (DHELIX_RANKS_PER_NODE=1): the EP group spans two nodes, so
+        # the all-to-alls use the inter-node channel, on lanes of the EP group
+        assert entry["lanes"] == [("ep", "inter")]
         # MoE x MoE, MoE x dense and dense x MoE layer pairs each have their plan
         assert entry["pair_plans"] == 3, entry["describe"]
 
