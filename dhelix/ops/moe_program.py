@@ -100,6 +100,21 @@ def _experts_forward(b, recv) -> None:
          _expert_key(b, "expert_unsort.fwd", h=h, bias=d.add_bias_linear), module="mlp")
 
 
+def _expert_gemm_backward(b, gemm: str, saved_input: str, grad_input: str, recv, n: int,
+                          k: int) -> None:
+    """The dgrad and the movable wgrad of the experts' `gemm` (fc1 / fc2: n output, k input
+    features), from `d.experts.<gemm>.out`."""
+    grad = f"d.experts.{gemm}.out"
+    _rows(b, grad_input, recv, k)
+    b.op("bwd", f"experts.{gemm}.dgrad", "expert_linear_dgrad", COMP, "gemm",
+         [grad, "dispatch.splits"], [grad_input],
+         _expert_key(b, "expert_linear.dgrad", n=n, k=k), linear=f"linear_{gemm}")
+    b.op("bwd", f"experts.{gemm}.wgrad", "expert_linear_wgrad", COMP, "gemm",
+         [grad, saved_input, "dispatch.splits"], [],
+         _expert_key(b, "expert_linear.wgrad", n=n, k=k), movable=True,
+         linear=f"linear_{gemm}")
+
+
 def _experts_backward(b, recv) -> None:
     """Backward of `_experts_forward`: each GEMM as a dgrad and a movable wgrad; the
     probabilities' two gradients (activation, FC2 bias) summed when the experts have
@@ -116,13 +131,7 @@ def _experts_backward(b, recv) -> None:
          ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
          _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
          grads_of=("x", "probs") if bias else ("x",))
-    _rows(b, "d.experts.act.out", recv, f)
-    b.op("bwd", "experts.fc2.dgrad", "expert_linear_dgrad", COMP, "gemm",
-         ["d.experts.fc2.out", "dispatch.splits"], ["d.experts.act.out"],
-         _expert_key(b, "expert_linear.dgrad", n=h, k=f), linear="linear_fc2")
-    b.op("bwd", "experts.fc2.wgrad", "expert_linear_wgrad", COMP, "gemm",
-         ["d.experts.fc2.out", "experts.act.out", "dispatch.splits"], [],
-         _expert_key(b, "expert_linear.wgrad", n=h, k=f), movable=True, linear="linear_fc2")
+    _expert_gemm_backward(b, "fc2", "experts.act.out", "d.experts.act.out", recv, n=h, k=f)
     _rows(b, "d.experts.fc1.out", recv, f1)
     act_probs = "d.experts.probs.act" if bias else "d.experts.probs"
     _rows(b, act_probs, recv)
@@ -130,13 +139,7 @@ def _experts_backward(b, recv) -> None:
          ["experts.act.graph", "d.experts.act.out"], ["d.experts.fc1.out", act_probs],
          _expert_key(b, f"expert_{d.activation_kernel}.bwd", f=f1, bias=bias),
          grads_of=("x", "probs"))
-    _rows(b, "d.experts.in", recv, h)
-    b.op("bwd", "experts.fc1.dgrad", "expert_linear_dgrad", COMP, "gemm",
-         ["d.experts.fc1.out", "dispatch.splits"], ["d.experts.in"],
-         _expert_key(b, "expert_linear.dgrad", n=f1, k=h), linear="linear_fc1")
-    b.op("bwd", "experts.fc1.wgrad", "expert_linear_wgrad", COMP, "gemm",
-         ["d.experts.fc1.out", "experts.in", "dispatch.splits"], [],
-         _expert_key(b, "expert_linear.wgrad", n=f1, k=h), movable=True, linear="linear_fc1")
+    _expert_gemm_backward(b, "fc1", "experts.in", "d.experts.in", recv, n=f1, k=h)
     if bias:
         _rows(b, "d.experts.probs", recv)
         b.op("bwd", "experts.probs_sum", "grad_sum", COMP, "elementwise",
