@@ -5,6 +5,8 @@ the argument and what to do instead."""
 
 from __future__ import annotations
 
+from megatron_patches.moe_support import check_supported_moe
+
 
 class UnsupportedArgument(ValueError):
     """`--dhelix` cannot run with this Megatron argument; the message names it."""
@@ -40,12 +42,15 @@ def _refusals(args):
            "--bf16 or fp32")
     yield (_arg(args, "fp8") is not None or _arg(args, "fp4") is not None,
            "--dhelix does not support --fp8-format / --fp4-format; drop them")
-    yield (_arg(args, "num_experts") is not None,
-           "--dhelix does not support MoE (--num-experts): the operator programs cover dense "
-           "transformer layers; drop --num-experts")
-    yield (_arg(args, "expert_model_parallel_size", 1) > 1,
-           "--dhelix does not support expert parallelism (--expert-model-parallel-size "
-           f"{_arg(args, 'expert_model_parallel_size')}); use 1")
+    moe = _arg(args, "num_experts") is not None
+    moe_problems = check_supported_moe(args) if moe else []
+    yield (bool(moe_problems),
+           f"--dhelix with MoE (--num-experts): {moe_problems[0] if moe_problems else ''}")
+    yield (moe and pp > 1,
+           "--dhelix with MoE (--num-experts) runs without pipelining; use "
+           "--pipeline-model-parallel-size 1")
+    yield (moe and _arg(args, "dhelix_pairer") == "domino",
+           "--dhelix-pairer domino does not support MoE layers; use the default pairer")
     yield (_arg(args, "context_parallel_size", 1) > 1
            or _arg(args, "hybrid_context_parallel", False),
            "--dhelix does not support context parallelism (--context-parallel-size "
@@ -104,8 +109,9 @@ def check_plugin_args(args, dhelix_refusals: bool = True) -> None:
 
 def check_dhelix_args(args) -> None:
     """Raise `UnsupportedArgument` for the first Megatron argument `--dhelix` cannot honour
-    (virtual pipelining, uneven pipeline stages, recomputation, fp16/fp8/fp4, MoE/expert
-    parallelism, context parallelism, multi-token prediction, FSDP, TE's TP
+    (virtual pipelining, uneven pipeline stages, recomputation, fp16/fp8/fp4, MoE settings
+    the MoE operators do not implement (`megatron_patches.moe_support`) and MoE with
+    pipelining or the Domino split, context parallelism, multi-token prediction, FSDP, TE's TP
     overlap, reset attention masks, Transformer Engine layers; with PP > 1 also overlapped
     gradient reduction and per-token loss); return None when the run is supported.
     Dropout, layer counts and the `--dhelix*` options are checked on the typed run

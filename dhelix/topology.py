@@ -72,3 +72,11 @@ def tensor_parallel_ranks(tp_size: int, rank: int = 0) -> list[int]:
     (TP varies fastest: groups are the aligned blocks [k*tp, (k+1)*tp))."""
     start = (rank // tp_size) * tp_size
     return list(range(start, start + tp_size))
+
+
+def expert_parallel_ranks(ep_size: int, rank: int = 0) -> list[int]:
+    """Ranks of the expert-parallel group holding `rank` under Megatron's default expert
+    rank order with expert tensor parallelism 1 (the expert grid etp-ep-edp-pp: EP varies
+    fastest, so groups are the aligned blocks [k*ep, (k+1)*ep))."""
+    start = (rank // ep_size) * ep_size
+    return list(range(start, start + ep_size))

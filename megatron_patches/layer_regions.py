@@ -12,6 +12,8 @@ fused bias-activation kernels, ...) behaves exactly as in Megatron:
 - `mlp_activation(mlp, take_fc1_output)` runs `MLP.forward` with `linear_fc1`/`linear_fc2`
   bypassed: FC1's GEMM output goes in, the activation output (FC2's input) comes out, with
   FC1's bias added exactly where Megatron adds it (`skip_bias_add=True`).
+  `expert_activation` does the same for an MoE expert (probabilities applied), and
+  `expert_fc2_bias` is the expert's tail after FC2 (its bias scaled by the probabilities).
 
 A bypass stands in for a linear module for the duration of one call and returns what that
 module would have returned had its GEMM produced the given tensor: `(tensor, bias if the
@@ -95,6 +97,33 @@ def mlp_activation(mlp, take_fc1_output: Callable[[], torch.Tensor]):
     with _bypassed(mlp, linear_fc1=take_fc1_output, linear_fc2=None):
         output, _ = mlp(None)
     return output
+
+
+def expert_activation(mlp, take_fc1_output: Callable[[], torch.Tensor],
+                      per_token_scale: torch.Tensor):
+    """An MoE expert's `MLP.forward` from its FC1 GEMM output to the FC2 input: FC1's bias,
+    the (gated) activation and the routing probabilities (`per_token_scale`) applied, as
+    Megatron applies them. FC2's bias is not added here (Megatron adds it after FC2,
+    scaled by the probabilities: `expert_fc2_bias`)."""
+    fc2 = bypass_of(mlp.linear_fc2)
+    bias = fc2._bias
+    object.__setattr__(fc2, "_bias", None)  # MLP.forward must not add FC2's bias here
+    try:
+        with _bypassed(mlp, linear_fc1=take_fc1_output, linear_fc2=None):
+            output, _ = mlp(None, per_token_scale)
+    finally:
+        object.__setattr__(fc2, "_bias", bias)
+    return output
+
+
+def expert_fc2_bias(mlp, fc2_output: torch.Tensor, per_token_scale: torch.Tensor):
+    """The end of an MoE expert's `MLP.forward` after FC2: its skipped bias, scaled by the
+    routing probabilities, added to the FC2 output (`output += bias * scale`; out of place,
+    the same sums); the FC2 output itself without a bias."""
+    bias = mlp.linear_fc2.bias if mlp.linear_fc2.skip_bias_add else None
+    if bias is None:
+        return fc2_output
+    return fc2_output + bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
 
 
 def run_forward_pre_hooks(module: torch.nn.Module, args: tuple) -> None:

@@ -162,7 +162,28 @@ def megatron_command(args, megatron_argv: list) -> list:
     for options, defaults in _RUN_DEFAULTS:
         if not words.intersection(options):
             argv += defaults
-    return argv + ["--num-layers", str(margs.pipeline_model_parallel_size)]
+    return argv + _one_layer_arguments(margs)
+
+
+def _one_layer_arguments(margs) -> list:
+    """What makes the job's model one layer per pipeline stage, of the kind every layer of
+    the user's stack is: `--num-layers PP`, and with MoE `--moe-layer-freq 1` (every layer
+    MoE; a stack of dense and MoE layers is refused with ArgumentError)."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from dhelix.argument_error import ArgumentError
+    from dhelix.ops.moe_describe import moe_layer_pattern
+
+    layers = ["--num-layers", str(margs.pipeline_model_parallel_size)]
+    if margs.num_experts is None:
+        return layers
+    pattern = moe_layer_pattern(core_transformer_config_from_args(margs))
+    if len(set(pattern)) > 1:
+        raise ArgumentError("--moe-layer-freq: dhelix profile measures one layer kind and "
+                            "this stack mixes MoE and dense layers; profile an all-MoE stack "
+                            "(--moe-layer-freq 1) or plan this one from the analytic costs "
+                            "(no --dhelix-profile)")
+    return layers + ["--moe-layer-freq", "1"]
 
 
 def gpu_emulation(args):

@@ -1,7 +1,8 @@
 """The layer a profiling job measures: megatron-core's own TransformerLayer as
 `megatron.training.pretrain` builds it for the job's Megatron arguments (the step harness,
 `megatron_patches.step_harness`; so the cost keys are the ones `--dhelix` training looks
-up), bound to its operator programs, with the communication lanes training uses.
+up), bound to its operator programs, with the communication lanes training uses (tensor-
+and, for an MoE layer, expert-parallel).
 
 Collective over the world: `pretrain()` creates Megatron's parallel state and the model on
 every rank, and the lanes are created on every rank. `profiler.cli` builds the run with one
@@ -26,8 +27,7 @@ def build_layer_under_test(run, job, emulated=None):
     of every region (`profiler.timing`)."""
     from dhelix.devices import model_device
     from dhelix.ops.runner import BoundLayer
-    from dhelix.runtime.lanes import check_cuda_device_max_connections, comm_channels, \
-        tensor_parallel_lanes
+    from dhelix.runtime.lanes import check_cuda_device_max_connections, layer_lanes
     from megatron_patches.gpt_parts import unwrap_gpt
     from profiler.timing import LayerUnderTest, Timer
 
@@ -37,8 +37,7 @@ def build_layer_under_test(run, job, emulated=None):
     rope = args.position_embedding_type == "rope"
     layer = gpt.decoder.layers[0]
     bound = BoundLayer(layer, args.seq_length, args.micro_batch_size, rope=rope)
-    lanes = tensor_parallel_lanes(args.tensor_model_parallel_size, job,
-                                  channels=comm_channels([bound]))
+    lanes = layer_lanes([bound], args.tensor_model_parallel_size, job)
     tp = args.tensor_model_parallel_size
     tokens = args.seq_length // tp if args.sequence_parallel else args.seq_length
     device, dtype = model_device(layer), layer.config.params_dtype

@@ -61,3 +61,144 @@ def stock_moe_steps(ctx, cases: dict, steps: int) -> dict:
         report[name] = entry
     close_all_runs()
     return report
+
+
+def _record_routing(model) -> tuple[dict, list]:
+    """Forward hooks on every router of `model` (Megatron's TopKRouter modules, which both
+    Megatron's MoELayer and the DHelix router operator call): {layer number: [routing map
+    of each call, in call order]}, and the hook handles."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    maps: dict = {}
+    handles = []
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                def hook(router, _inputs, output):
+                    maps.setdefault(router.layer_number, []).append(output[1].detach().clone())
+                handles.append(module.register_forward_hook(hook))
+    return maps, handles
+
+
+def _moe_steps(run, steps: int) -> dict:
+    """`steps` observed steps (`tests.plugin_parity_ranks.observed_step`) with, per step,
+    the routing maps of every router call and the load-balancing loss Megatron's MoE
+    tracker recorded per layer."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from tests.plugin_parity_ranks import observed_step
+
+    out = {"steps": [], "routing": [], "aux": []}
+    for _ in range(steps):
+        tracker = get_moe_metrics_tracker()
+        tracker.clear()
+        with run.active():
+            maps, handles = _record_routing(run.model)
+        try:
+            out["steps"].append(observed_step(run, with_grads=True))
+        finally:
+            for handle in handles:
+                handle.remove()
+        out["routing"].append(maps)
+        balance = tracker.metrics.get("load_balancing_loss")
+        out["aux"].append(None if balance is None else balance.values.clone())
+    return out
+
+
+def _routing_report(ref: list, got: list) -> dict:
+    """Per step: are the routing maps equal call by call on every layer; how many router
+    calls and routed (token, expert) pairs were compared."""
+    import torch
+
+    equal, calls, routed = True, 0, 0
+    for ref_maps, got_maps in zip(ref, got):
+        if sorted(ref_maps) != sorted(got_maps):
+            equal = False
+            continue
+        for layer, ref_calls in ref_maps.items():
+            got_calls = got_maps[layer]
+            equal &= len(ref_calls) == len(got_calls)
+            for a, b in zip(ref_calls, got_calls):
+                equal &= torch.equal(a, b)
+                calls += 1
+                routed += int(a.sum())
+    return {"routing_equal": bool(equal), "router_calls": calls, "routed_pairs": routed,
+            "moe_layers": sorted(ref[0]) if ref else []}
+
+
+PROFILE = "@profile"  # in a case's --dhelix arguments: the profile `moe_parity` made
+
+
+def _profile(case, output: str) -> dict:
+    """`dhelix profile` of `case`'s model in this launch (collective; `profiler.cli`'s
+    job, a short one: 1 warm-up pass, 2 repeats, 12 pairs): the profile's cost keys."""
+    import argparse
+
+    from profiler.cli import add_options, profile_job
+
+    parser = argparse.ArgumentParser()
+    add_options(parser)
+    args = parser.parse_args(["-o", output, "--no-progress", "--warmup", "1", "--repeats", "2",
+                              "--max-pairs", "12"])
+    result = profile_job(args, case.stock_argv())
+    return {"complete": result.complete, "solo_keys": sorted(result.solo),
+            "pairs": len(result.pairs)}
+
+
+def moe_parity(ctx, cases: dict, steps: int, workdir: str | None = None) -> dict:
+    """For each case NAME -> `tests.plugin_parity_ranks.ParityCase` (MoE Megatron
+    arguments): stock Megatron, then `--dhelix`, from the same seed and data, each stepped
+    `steps` times by Megatron's `train_step`. Per case: the step comparison rows (loss,
+    every gradient, parameters after the step), the load-balancing loss per layer on both
+    sides, whether every router call routed the same tokens to the same experts (routing
+    maps recorded by hooks on Megatron's routers on both sides), what the engine ran
+    (`engine_record`, training and one evaluation batch) and the evaluation loss
+    difference, the gradient keys, the plan's description, the operator ids of this rank's
+    MoE layer programs and the roles of the communication lanes."""
+    from megatron_patches.step_harness import build_run, close_all_runs
+    from tests.plugin_parity_ranks import compare_steps, engine_record, eval_loss
+
+    import dataclasses
+    from pathlib import Path
+
+    report = {}
+    try:
+        for name, case in cases.items():
+            profiled = None
+            if PROFILE in case.dhelix:
+                output = str(Path(workdir) / f"{name}.json")
+                profiled = _profile(case, output)
+                case = dataclasses.replace(case, dhelix=tuple(
+                    output if word == PROFILE else word for word in case.dhelix))
+            stock = build_run(SCRIPT, case.stock_argv())
+            ref = _moe_steps(stock, steps)
+            run = build_run(SCRIPT, case.dhelix_argv())
+            setup = run.dhelix
+            moe_programs = [b.programs for b in setup.runner.bound_layers
+                            if b.description.moe is not None]
+            got = _moe_steps(run, steps)
+            trained = engine_record(run)
+            eval_diff = abs(eval_loss(stock) - eval_loss(run))
+            report[name] = {
+                "profile": profiled,
+                "plan_source": setup.plan_source,
+                "executed": {"train": trained, "eval": engine_record(run)},
+                "eval_loss_diff": eval_diff,
+                "grad_keys": sorted(ref["steps"][0]["grads"]),
+                "rows": compare_steps(ref["steps"], got["steps"]),
+                "aux_ref": [None if a is None else a.tolist() for a in ref["aux"]],
+                "aux": [None if a is None else a.tolist() for a in got["aux"]],
+                **_routing_report(ref["routing"], got["routing"]),
+                "describe": setup.describe(),
+                "pair_plans": len(setup.pair_plans or {}),
+                "moe_fwd_ops": list(moe_programs[0].forward.ids) if moe_programs else [],
+                "moe_bwd_ops": list(moe_programs[0].backward.ids) if moe_programs else [],
+                "moe_bias": bool(moe_programs and moe_programs[0].description.add_bias_linear),
+                "lanes": sorted({(role, channel) for role, channel, _ in
+                                 setup.runner.lanes.groups})
+                if setup.runner.lanes is not None else [],
+            }
+            run.close()
+    finally:
+        close_all_runs()
+    return report

@@ -14,6 +14,10 @@ import pytest
 from tests.megatron_lm_ranks import ROOT, SCRIPT, TINY
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
+# what the MoE operators implement: top-2 of 4 experts, the alltoall dispatcher, EP=2
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--expert-model-parallel-size", "2", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "0.01"]
 REFUSED = {
     "virtual pipeline": (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],
                          "--num-layers-per-virtual-pipeline-stage"),
@@ -21,8 +25,18 @@ REFUSED = {
                       "--decoder-first-pipeline-num-layers"),
     "recomputation": (["--recompute-granularity", "full"], "--recompute-granularity full"),
     "fp16": (["--fp16"], "--fp16"),
-    "moe": (["--num-experts", "2"], "--num-experts"),
-    "expert parallel": (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+    "moe allgather dispatcher": (["--num-experts", "4"], "--moe-token-dispatcher-type alltoall"),
+    "moe grouped gemm": (MOE + ["--moe-grouped-gemm"], "--moe-grouped-gemm"),
+    "moe expert tensor parallel": (MOE + ["--expert-tensor-parallel-size", "2"],
+                                   "--expert-tensor-parallel-size"),
+    "moe with tensor parallel": (MOE + ["--tensor-model-parallel-size", "2"],
+                                 "--tensor-model-parallel-size 1"),
+    "moe with pipelining": (MOE + PP2, "--pipeline-model-parallel-size 1"),
+    "moe sinkhorn balancing": (MOE + ["--moe-router-load-balancing-type", "sinkhorn"],
+                               "aux_loss or none"),
+    "moe shared experts": (MOE + ["--moe-shared-expert-intermediate-size", "64"],
+                           "--moe-shared-expert-intermediate-size"),
+    "moe domino": (MOE + ["--dhelix-pairer", "domino"], "--dhelix-pairer domino"),
     "context parallel": (["--context-parallel-size", "2"], "--context-parallel-size"),
     "overlap grad reduce with PP": (PP2 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
     "reset attention mask": (["--reset-attention-mask"], "--reset-attention-mask"),
@@ -98,6 +112,17 @@ def test_dhelix_rules_checked_on_the_validated_run(name, monkeypatch):
     assert not dist.is_initialized()
     assert _parse(argv, validate=True)[0] is None  # without --dhelix Megatron takes it
     assert current_run().options.enabled is False
+
+
+def test_supported_moe_is_not_refused(monkeypatch):
+    """EP=2 (TP=1) with the alltoall dispatcher and the aux loss, in a mixed dense/MoE stack,
+    passes the `--dhelix` argument checks (tests/test_megatron_lm_moe.py trains it)."""
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", *MOE, "--moe-layer-freq",
+                               "[1,0,1,0]"], validate=True)
+    assert code is None, err
 
 
 def test_commfree_bound_needs_dhelix(monkeypatch):

@@ -1,8 +1,9 @@
 """Binding of operator programs to a live megatron-core TransformerLayer.
 
-`LayerBinding` checks that a layer is one the programs implement (dense GPT/Llama layer of
+`LayerBinding` checks that a layer is one the programs implement (GPT/Llama layer of
 the local spec: torch norms, ColumnParallelLinear/RowParallelLinear, DotProductAttention or
-`--dhelix-attention sdpa`'s SDPAttention) and resolves the module paths named by operators
+`--dhelix-attention sdpa`'s SDPAttention; a dense MLP, or megatron-core's MoELayer with the
+alltoall dispatcher, `megatron_patches.moe_regions.check_supported_moe_layer`) and resolves the module paths named by operators
 to that layer's own modules. Nothing is
 copied: the kernels use the layer's parameter objects, so checkpoints and the optimizer see
 the same tensors.
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from dhelix.ops.describe import LayerDescription, UnsupportedLayerError
 from dhelix.topology import NodeTopology
 from megatron_patches.layer_regions import uses_transformer_engine
+from megatron_patches.moe_regions import check_supported_moe_layer, is_moe_layer
 
 TE_UNSUPPORTED = (
     "the Transformer Engine layer spec is not supported by dhelix operator programs yet "
@@ -33,7 +35,8 @@ def _require(condition: bool, message: str) -> None:
 
 
 def check_supported_layer(layer) -> None:
-    """Raise UnsupportedLayerError unless `layer` is a dense local-spec TransformerLayer."""
+    """Raise UnsupportedLayerError unless `layer` is a local-spec TransformerLayer whose MLP
+    the programs implement (dense, or a supported MoELayer)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -48,9 +51,11 @@ def check_supported_layer(layer) -> None:
     for module in layer.modules():
         if uses_transformer_engine(module):
             raise UnsupportedLayerError(f"{TE_UNSUPPORTED} (found {type(module).__name__})")
-    _require(not getattr(layer, "is_moe_layer", False),
-             "MoE layers are not supported yet (router/permute/all-to-all/grouped GEMM "
-             "operators are planned)")
+    moe = is_moe_layer(layer)
+    if moe:
+        problems = check_supported_moe_layer(layer)
+        _require(not problems, "MoE layer not supported by the operator programs: "
+                 + "; ".join(problems))
     attn = layer.self_attention
     _require(isinstance(attn, SelfAttention),
              f"self_attention must be SelfAttention, got {type(attn).__name__}")
@@ -68,22 +73,28 @@ def check_supported_layer(layer) -> None:
         _require(not isinstance(getattr(layer, name), IdentityOp),
                  f"{name} is an IdentityOp (a norm fused into the next linear, as in the "
                  "Transformer Engine spec); the programs need the norm as its own module")
+    for name, linear in (("linear_qkv", attn.linear_qkv), ("linear_proj", attn.linear_proj)):
+        _require(linear.sequence_parallel == layer.config.sequence_parallel,
+                 f"{name}.sequence_parallel differs from the layer config")
+    _require(not attn.linear_qkv.skip_bias_add and not attn.linear_qkv.gather_output,
+             "linear_qkv must add its own bias and keep its output sharded")
+    _require(attn.linear_proj.skip_bias_add and attn.linear_proj.input_is_parallel
+             and not attn.linear_proj.explicit_expert_comm,
+             "linear_proj must skip its bias add and take a parallel input")
+    if moe:
+        return
     mlp = layer.mlp
     _require(isinstance(mlp, MLP), f"mlp must be a dense MLP, got {type(mlp).__name__}")
     _require(isinstance(mlp.linear_fc1, ColumnParallelLinear)
              and isinstance(mlp.linear_fc2, RowParallelLinear),
              "MLP linears must be ColumnParallelLinear (fc1) and RowParallelLinear (fc2)")
     # The layouts the GEMM kernels reproduce (Megatron builds exactly these).
-    _require(not attn.linear_qkv.skip_bias_add and not attn.linear_qkv.gather_output,
-             "linear_qkv must add its own bias and keep its output sharded")
     _require(mlp.linear_fc1.skip_bias_add and not mlp.linear_fc1.gather_output,
              "linear_fc1 must skip its bias add and keep its output sharded")
-    for name, linear in (("linear_proj", attn.linear_proj), ("linear_fc2", mlp.linear_fc2)):
-        _require(linear.skip_bias_add and linear.input_is_parallel
-                 and not linear.explicit_expert_comm,
-                 f"{name} must skip its bias add and take a parallel input")
-    for name, linear in (("linear_qkv", attn.linear_qkv), ("linear_proj", attn.linear_proj),
-                         ("linear_fc1", mlp.linear_fc1), ("linear_fc2", mlp.linear_fc2)):
+    _require(mlp.linear_fc2.skip_bias_add and mlp.linear_fc2.input_is_parallel
+             and not mlp.linear_fc2.explicit_expert_comm,
+             "linear_fc2 must skip its bias add and take a parallel input")
+    for name, linear in (("linear_fc1", mlp.linear_fc1), ("linear_fc2", mlp.linear_fc2)):
         _require(linear.sequence_parallel == layer.config.sequence_parallel,
                  f"{name}.sequence_parallel differs from the layer config")
 
@@ -134,18 +145,27 @@ class LayerBinding:
         return found
 
     def group(self, role: str):
-        if role != "tp":
-            raise KeyError(f"unknown process-group role {role!r}")
-        return self.tp_group
+        """The layer's process group for `role`: 'tp', or 'ep' (an MoE layer's
+        expert-parallel group)."""
+        if role == "tp":
+            return self.tp_group
+        if role == "ep" and is_moe_layer(self.layer):
+            return self.layer.mlp.ep_group
+        raise KeyError(f"unknown process-group role {role!r}")
 
     def describe(self, seq_length: int, micro_batch_size: int, *, rope: bool,
                  topology: Optional[NodeTopology] = None) -> LayerDescription:
         """The layer's description for this rank (its real TP group ranks), checked against
         the actual parameter shapes."""
         ranks = dist.get_process_group_ranks(self.tp_group) if dist.is_initialized() else [0]
+        moe = is_moe_layer(self.layer)
+        ep_ranks = None
+        if moe:
+            group = self.group("ep")
+            ep_ranks = dist.get_process_group_ranks(group) if dist.is_initialized() else [0]
         desc = LayerDescription.from_config(
             self.config, seq_length, micro_batch_size, rope=rope, tp_ranks=ranks,
-            topology=topology, attention=self.attention,
+            topology=topology, attention=self.attention, moe=moe, ep_ranks=ep_ranks,
         )
         self._check_shapes(desc)
         return desc
@@ -154,9 +174,18 @@ class LayerBinding:
         expected = {
             "self_attention.linear_qkv": (desc.qkv_out_per_rank, desc.hidden_size),
             "self_attention.linear_proj": (desc.hidden_size, desc.proj_in_per_rank),
-            "mlp.linear_fc1": (desc.fc1_out_per_rank, desc.hidden_size),
-            "mlp.linear_fc2": (desc.hidden_size, desc.ffn_per_rank),
         }
+        moe = desc.moe
+        if moe is None:
+            expected["mlp.linear_fc1"] = (desc.fc1_out_per_rank, desc.hidden_size)
+            expected["mlp.linear_fc2"] = (desc.hidden_size, desc.ffn_per_rank)
+        else:
+            expected["mlp.router"] = (moe.num_experts, desc.hidden_size)
+            fc1 = moe.ffn_hidden_size * (2 if desc.gated_linear_unit else 1)
+            for i in range(moe.num_local_experts):
+                expected[f"mlp.experts.local_experts.{i}.linear_fc1"] = (fc1, desc.hidden_size)
+                expected[f"mlp.experts.local_experts.{i}.linear_fc2"] = (desc.hidden_size,
+                                                                        moe.ffn_hidden_size)
         for path, shape in expected.items():
             actual = tuple(self.module(path).weight.shape)
             if actual != shape:

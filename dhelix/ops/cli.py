@@ -1,7 +1,7 @@
 """`dhelix ops`: the operator table of one transformer layer for a model/parallel config.
 
     dhelix ops [--preset NAME|FILE] <Megatron arguments> [--ranks-per-node N]
-               [--world-size W] [--rank 0] [--direction fwd|bwd|both] [--json]
+               [--world-size W] [--rank 0] [--layer 0] [--direction fwd|bwd|both] [--json]
                [--export-dag DIR]
     e.g. dhelix ops --preset tiny --hidden-dropout 0 --attention-dropout 0
                --tensor-model-parallel-size 4 --sequence-parallel --ranks-per-node 2
@@ -12,6 +12,10 @@ pretraining under the plugin; `--preset` expands to Megatron arguments as for `d
 Nothing is launched: the programs come from the layer description of the TransformerConfig
 `pretrain()` would build, exactly as the runtime builds them.
 `--export-dag DIR` writes DIR/fwd.json and DIR/bwd.json in the shared `dhelix-dag` format.
+With MoE (`--num-experts`), `--layer` picks the layer of a `--moe-layer-freq` stack: an MoE
+layer's MLP is the router, the token-count exchange, the dispatch and combine all-to-alls
+on the expert-parallel group's channel, the permutations and the experts
+(docs/operator_programs.md).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def register(subparsers) -> None:
                         "CP)")
     parser.add_argument("--rank", type=int, default=0,
                         help="the rank whose tensor-parallel group is shown (default 0)")
+    parser.add_argument("--layer", type=int, default=0,
+                        help="the decoder layer shown (0-based, default 0): with MoE, "
+                             "--moe-layer-freq makes it an MoE or a dense layer")
     parser.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
     parser.add_argument("--json", action="store_true", help="print the DAGs as JSON")
     parser.add_argument("--export-dag", metavar="DIR", default=None,
@@ -81,13 +88,30 @@ def saved_summary(programs) -> str:
         if info.kind == "tensor":
             size = itemsize
             for dim in info.shape:
-                size *= dim
+                size *= getattr(dim, "high", dim)  # a variable dimension at its bound
             total += size
             parts.append(f"{name} {'x'.join(map(str, info.shape))}")
-        else:
+        elif info.kind == "graph":
             parts.append(f"{name} (autograd graph)")
+        else:
+            parts.append(f"{name} (run-time metadata)")
     return (f"saved for backward: {', '.join(parts)}; explicit tensors "
             f"{total / 2**20:.2f} MiB (graphs hold the norm/attention/activation internals)")
+
+
+def _stack_line(model_args) -> str:
+    """'' for a stack of identical layers; else which layers are MoE and which dense."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from dhelix.ops.moe_describe import moe_layer_pattern
+
+    pattern = moe_layer_pattern(core_transformer_config_from_args(model_args))
+    if len(set(pattern)) < 2:
+        return ""
+    moe = [i for i, kind in enumerate(pattern) if kind]
+    dense = [i for i, kind in enumerate(pattern) if not kind]
+    return (f"stack: MoE layers {moe}, dense layers {dense} (--layer N shows layer N; "
+            "--dhelix plans each forward/backward layer pair)")
 
 
 def run(args) -> int:
@@ -103,8 +127,10 @@ def run(args) -> int:
     try:
         model_args = _model_args(args)
         topology = NodeTopology.detect(args.ranks_per_node)
-        desc = LayerDescription.from_args(model_args, topology=topology, rank=args.rank)
+        desc = LayerDescription.from_args(model_args, topology=topology, rank=args.rank,
+                                          layer=args.layer)
         programs = build_layer_programs(desc)
+        stack = _stack_line(model_args)
     except SystemExit as exc:  # Megatron's or the plugin's `error:` line is printed
         return exc.code if isinstance(exc.code, int) else 2
     except (ArgumentError, UnsupportedLayerError, ValueError) as exc:
@@ -118,14 +144,21 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({d: programs.program(d).dag().to_dict() for d in directions}, indent=1))
         return 0
-    print(f"layer: {desc.summary()}")
+    print(f"layer {args.layer}: {desc.summary()}")
+    if stack:
+        print(stack)
     for direction in directions:
         program = programs.program(direction)
         title = {"fwd": "forward", "bwd": "backward"}[direction]
         print(f"\n{title} program: {len(program)} operators")
         print(format_table(program))
     print("\n" + saved_summary(programs))
-    if args.export_dag:
+    if args.export_dag and stack:
+        out = Path(args.export_dag)
+        print(f"wrote {out / 'fwd.json'} and {out / 'bwd.json'} (layer {args.layer}); a stack "
+              "of MoE and dense layers is planned layer pair by layer pair at --dhelix "
+              "start-up, not from a plan file")
+    elif args.export_dag:
         from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
         from megatron_patches.run_options import run_from_megatron_args
 

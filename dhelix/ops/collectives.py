@@ -5,7 +5,7 @@
 communication-free bound (TIMING ONLY, WRONG NUMERICS): every collective returns at once
 with an already-completed handle and an output of the right shape filled from local data
 (all-gather: the local shard repeated; reduce-scatter: the local chunk unreduced;
-all-reduce: the input unchanged), so the computation that follows runs on finite values of
+all-reduce: the input unchanged; all-to-all: the local rows repeated), so the computation that follows runs on finite values of
 the usual magnitude but the training is wrong. It is only reachable through
 `Lanes(no_comm_timing_only=True)`, i.e. `--dhelix-commfree-timing-only`.
 """
@@ -46,6 +46,18 @@ class GroupCollectives:
     def all_reduce(self, tensor: torch.Tensor):
         return dist.all_reduce(tensor, group=self.group, async_op=True)
 
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self.group.rank()
+
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor,
+                          output_split_sizes: list, input_split_sizes: list):
+        """Rows of `tensor` split by `input_split_sizes` sent to the group's ranks in order;
+        `output` receives `output_split_sizes[r]` rows from rank r."""
+        return dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
+                                      input_split_sizes=input_split_sizes, group=self.group,
+                                      async_op=True)
+
 
 class NoOpCollectives(GroupCollectives):
     """Timing only, wrong numerics: no communication at all (see the module docstring).
@@ -61,4 +73,14 @@ class NoOpCollectives(GroupCollectives):
         return CompletedWork()
 
     def all_reduce(self, tensor: torch.Tensor):
+        return CompletedWork()
+
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor,
+                          output_split_sizes: list, input_split_sizes: list):
+        """The output rows filled cyclically from the local rows (zeros without any)."""
+        if output.shape[0] and tensor.shape[0]:
+            index = torch.arange(output.shape[0], device=output.device) % tensor.shape[0]
+            output.copy_(tensor.index_select(0, index))
+        else:
+            output.zero_()
         return CompletedWork()

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from dhelix.ops.moe_describe import MoEDescription, check_supported_moe, moe_layer_pattern
 from dhelix.options import ATTENTION_CHOICES
-from dhelix.topology import NodeTopology, tensor_parallel_ranks
+from dhelix.topology import NodeTopology, expert_parallel_ranks, tensor_parallel_ranks
 
 DROPOUT_POLICY = (
     "dhelix operator programs support dropout 0 only (the Llama/GPT-NeoX setting); set "
@@ -71,6 +72,8 @@ class LayerDescription:
     dtype: str = "float32"
     tp_ranks: tuple = ()
     topology: NodeTopology = field(default_factory=NodeTopology)
+    # the MoE MLP (router, experts, expert parallelism) of an MoE layer; None: a dense MLP
+    moe: Optional[MoEDescription] = None
 
     def __post_init__(self):
         if self.add_qkv_bias is None:
@@ -112,6 +115,12 @@ class LayerDescription:
         if self.attention not in ATTENTION_CHOICES:
             raise UnsupportedLayerError(f"core attention {self.attention!r} is not one of "
                                         f"{', '.join(ATTENTION_CHOICES)}")
+        if self.moe is not None and self.moe.problems():
+            raise UnsupportedLayerError("; ".join(self.moe.problems()))
+        if self.moe is not None and tp != 1:
+            raise UnsupportedLayerError(
+                f"MoE layers run as operators with tensor-parallel size 1 only (got {tp}); "
+                "use --tensor-model-parallel-size 1 with --expert-model-parallel-size")
 
     # ------------------------------------------------------------- derived sizes
     @property
@@ -159,6 +168,14 @@ class LayerDescription:
         return self.topology.channel_for_group(self.tp_ranks)
 
     @property
+    def ep_channel(self) -> str:
+        """The channel of the MoE all-to-alls: 'inter' when the expert-parallel group spans
+        nodes."""
+        if self.moe is None:
+            raise ValueError("a dense layer has no expert-parallel group")
+        return self.topology.channel_for_group(self.moe.ep_ranks)
+
+    @property
     def attention_kernel(self) -> str:
         """Cost-key name of the attention region: its core attention differs in cost."""
         return "sdpa_attention" if self.attention == "sdpa" else "attention"
@@ -179,6 +196,8 @@ class LayerDescription:
             "rope" if self.rope else "abs-pos", f"{self.attention} attention", self.dtype,
             f"tp-group {list(self.tp_ranks)} on {self.tp_channel} ({self.topology.describe()})",
         ]
+        if self.moe is not None:
+            parts.append(f"{self.moe.summary()} on {self.ep_channel}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------ constructors
@@ -186,14 +205,23 @@ class LayerDescription:
     def from_config(cls, config, seq_length: int, micro_batch_size: int, *, rope: bool,
                     tp_ranks: Optional[Sequence[int]] = None,
                     topology: Optional[NodeTopology] = None,
-                    attention: str = "megatron") -> "LayerDescription":
+                    attention: str = "megatron", moe: bool = False,
+                    ep_ranks: Optional[Sequence[int]] = None) -> "LayerDescription":
         """Description of a layer built from a megatron-core TransformerConfig (its core
-        attention `attention`, which the config does not record).
+        attention `attention`, which the config does not record); `moe`: the layer's MLP is
+        the config's MoE layer, its expert-parallel group `ep_ranks` (default: Megatron's
+        layout for rank 0).
 
         Raises UnsupportedLayerError for configurations the programs do not implement.
         """
         check_supported_config(config)
         tp = config.tensor_model_parallel_size
+        moe_desc = None
+        if moe:
+            ep = config.expert_model_parallel_size
+            moe_desc = MoEDescription.from_config(
+                config, tuple(ep_ranks) if ep_ranks is not None
+                else tuple(expert_parallel_ranks(ep)))
         return cls(
             hidden_size=config.hidden_size,
             ffn_hidden_size=config.ffn_hidden_size,
@@ -214,23 +242,32 @@ class LayerDescription:
             dtype=dtype_name(config.params_dtype),
             tp_ranks=tuple(tp_ranks) if tp_ranks is not None else tuple(tensor_parallel_ranks(tp)),
             topology=topology or NodeTopology.detect(),
+            moe=moe_desc,
         )
 
     @classmethod
     def from_args(cls, args, topology: Optional[NodeTopology] = None,
-                  rank: int = 0) -> "LayerDescription":
-        """Description from Megatron's validated arguments
+                  rank: int = 0, layer: int = 0) -> "LayerDescription":
+        """Description of decoder layer `layer` (0-based; MoE or dense as `--moe-layer-freq`
+        says) from Megatron's validated arguments
         (`megatron_patches.parsed_arguments.parse_megatron_args`, or `get_args()` in a
         run): the TransformerConfig `pretrain()` builds from them
         (`core_transformer_config_from_args`), so both agree on every
         derived size; the core attention `--dhelix-attention` selects."""
         from megatron.training.argument_utils import core_transformer_config_from_args
 
+        config = core_transformer_config_from_args(args)
+        pattern = moe_layer_pattern(config)
+        if not 0 <= layer < len(pattern):
+            raise UnsupportedLayerError(f"layer {layer} is outside the model's "
+                                        f"{len(pattern)} layers")
+        tp = args.tensor_model_parallel_size
         return cls.from_config(
-            core_transformer_config_from_args(args), args.seq_length, args.micro_batch_size,
+            config, args.seq_length, args.micro_batch_size,
             rope=args.position_embedding_type == "rope",
-            tp_ranks=tensor_parallel_ranks(args.tensor_model_parallel_size, rank),
-            topology=topology, attention=args.dhelix_attention,
+            tp_ranks=tensor_parallel_ranks(tp, rank),
+            topology=topology, attention=args.dhelix_attention, moe=bool(pattern[layer]),
+            ep_ranks=expert_parallel_ranks(config.expert_model_parallel_size, rank),
         )
 
 
@@ -239,8 +276,7 @@ def check_supported_config(config) -> None:
     do not implement (each message names the setting and what to do)."""
     problems = []
     if getattr(config, "num_moe_experts", None):
-        problems.append("MoE layers (num_moe_experts) are not supported yet; router, permute, "
-                        "all-to-all and grouped-GEMM operators are planned")
+        problems.extend(check_supported_moe(config))
     if getattr(config, "context_parallel_size", 1) != 1:
         problems.append("context parallelism is not supported yet (ring KV send/recv "
                         "operators are planned); use --context-parallel-size 1")

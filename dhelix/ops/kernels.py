@@ -211,14 +211,16 @@ class ActivationForward(Kernel):
 @register_kernel
 class BiasDropoutAddForward(Kernel):
     """The layer's bias-dropout-add (`residual + dropout(x + bias)`) with the row-parallel
-    linear's skipped bias; inputs (x, residual); outputs (sum, graph)."""
+    linear's skipped bias (none for an MoE MLP); inputs (x, residual); outputs (sum,
+    graph)."""
 
     name, kind, op_class = "bda_fwd", "comp", "elementwise"
 
     def run(self, op, state):
         layer = state.binding.layer
         bda = getattr(layer, op.attrs["module"])(layer.training, layer.config.bias_dropout_fusion)
-        bias = state.binding.module(op.attrs["bias_module"]).bias
+        bias_module = op.attrs["bias_module"]  # None: no bias (an MoE MLP returns none)
+        bias = None if bias_module is None else state.binding.module(bias_module).bias
 
         def region(inputs):
             with layer.bias_dropout_add_exec_handler():

@@ -18,8 +18,10 @@ Value names (`[seq, batch, width]` tensors unless noted): `x` layer input, `y` o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from dhelix.ops.describe import LayerDescription
+from dhelix.ops.moe_program import moe_backward, moe_forward
 from dhelix.ops.program import LayerPrograms, Program, ValueInfo
 from dhelix.ops.registry import Operator, cost_key
 
@@ -54,8 +56,11 @@ class _Builder:
 
     # --------------------------------------------------------------- ops
     def op(self, direction: str, op_id: str, kernel: str, kind: str, op_class: str,
-           inputs, outputs, key: str, movable: bool = False, **attrs) -> None:
-        channel = "compute" if kind == COMP else self.desc.tp_channel
+           inputs, outputs, key: str, movable: bool = False, channel: Optional[str] = None,
+           **attrs) -> None:
+        """One operator; a collective's `channel` defaults to the TP group's."""
+        if channel is None:
+            channel = "compute" if kind == COMP else self.desc.tp_channel
         target = self.fwd if direction == "fwd" else self.bwd
         target.append(Operator(id=op_id, kernel=kernel, kind=kind, op_class=op_class,
                                channel=channel, inputs=tuple(inputs), outputs=tuple(outputs),
@@ -161,14 +166,35 @@ class _Half:
     aux_inputs: tuple = ()  # extra region inputs (mask, rotary table)
 
 
-def _forward_half(b: _Builder, half: _Half) -> None:
+def _norm_kernel(d: LayerDescription) -> str:
+    return {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm"}[d.normalization]
+
+
+def _norm_forward(b: _Builder, half: _Half) -> None:
     d = b.desc
-    s, sl, bsz, h = d.seq_length, d.local_seq, d.micro_batch_size, d.hidden_size
-    norm_kernel = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm"}[d.normalization]
+    sl, bsz, h = d.local_seq, d.micro_batch_size, d.hidden_size
     b.tensor(f"{half.norm}.out", sl, h)
     b.op("fwd", half.norm, "norm_fwd", COMP, "norm", [half.input],
          [f"{half.norm}.out", b.graph(f"{half.norm}.graph")],
-         b.key(f"{norm_kernel}.fwd", s=sl, b=bsz, h=h), module=half.norm_module)
+         b.key(f"{_norm_kernel(d)}.fwd", s=sl, b=bsz, h=h), module=half.norm_module)
+
+
+def _norm_backward(b: _Builder, half: _Half) -> None:
+    """The norm's backward: its output gradient and the residual gradient of the half's
+    input in, the input gradient out."""
+    d = b.desc
+    sl, bsz, h = d.local_seq, d.micro_batch_size, d.hidden_size
+    b.tensor(f"d.{half.input}", sl, h)
+    b.op("bwd", f"{half.norm}.bwd", "graph_bwd", COMP, "norm",
+         [f"{half.norm}.graph", f"d.{half.norm}.out", f"d.{half.input}.res"],
+         [f"d.{half.input}"], b.key(f"{_norm_kernel(d)}.bwd", s=sl, b=bsz, h=h),
+         grads_of=("x",))
+
+
+def _forward_half(b: _Builder, half: _Half) -> None:
+    d = b.desc
+    s, sl, bsz, h = d.seq_length, d.local_seq, d.micro_batch_size, d.hidden_size
+    _norm_forward(b, half)
     _linear_block(b, half.col, half.col_module, f"{half.norm}.out", half.col_width,
                   column=True, bias_in_gemm=half.col_bias, in_width=h)
     b.tensor(f"{half.region}.out", s, half.region_width)
@@ -190,7 +216,6 @@ def _backward_half(b: _Builder, half: _Half) -> None:
     `d.<input>.res` joins the norm's input gradient inside the norm's backward)."""
     d = b.desc
     s, sl, bsz, h = d.seq_length, d.local_seq, d.micro_batch_size, d.hidden_size
-    norm_kernel = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm"}[d.normalization]
     row_grad, residual_grad = f"d.{half.row}.out", f"d.{half.input}.res"
     b.like(row_grad, f"{half.row}.out")
     b.like(residual_grad, half.input)
@@ -210,10 +235,7 @@ def _backward_half(b: _Builder, half: _Half) -> None:
     _linear_backward(b, half.col, half.col_module, f"{half.norm}.out", f"d.{half.col}.out",
                      f"d.{half.norm}.out", half.col_width, h, column=True,
                      bias_in_gemm=half.col_bias)
-    b.tensor(f"d.{half.input}", sl, h)
-    b.op("bwd", f"{half.norm}.bwd", "graph_bwd", COMP, "norm",
-         [f"{half.norm}.graph", f"d.{half.norm}.out", residual_grad], [f"d.{half.input}"],
-         b.key(f"{norm_kernel}.bwd", s=sl, b=bsz, h=h), grads_of=("x",))
+    _norm_backward(b, half)
 
 
 def build_layer_programs(desc: LayerDescription) -> LayerPrograms:
@@ -244,9 +266,15 @@ def build_layer_programs(desc: LayerDescription) -> LayerPrograms:
         bda="bda2", bda_module="mlp_bda",
     )
     _forward_half(b, attention)
-    _forward_half(b, mlp)
+    if d.moe is None:
+        _forward_half(b, mlp)
+    else:
+        moe_forward(b, lambda b: _norm_forward(b, mlp))
     b.like("d.y", "y")
-    _backward_half(b, mlp)
+    if d.moe is None:
+        _backward_half(b, mlp)
+    else:
+        moe_backward(b, lambda b: _norm_backward(b, mlp))
     _backward_half(b, attention)
 
     forward = Program("fwd", b.fwd, inputs=("x", "attention_mask", "rotary_pos_emb"),

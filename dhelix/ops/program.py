@@ -21,10 +21,35 @@ GRAD_PREFIX = "d."  # gradient values are named d.<value>
 
 
 @dataclass(frozen=True)
+class VariableDim:
+    """A dimension known only at run time (MoE: how many tokens an all-to-all delivers
+    depends on the routing), declared with the bounds every run must respect: a produced
+    size outside [low, high] fails the shape check like a wrong fixed size."""
+
+    name: str
+    low: int
+    high: int
+
+    def __post_init__(self):
+        if not 0 <= self.low <= self.high:
+            raise ValueError(f"variable dimension {self.name}: bounds [{self.low}, "
+                             f"{self.high}] are not 0 <= low <= high")
+
+    def admits(self, size: int) -> bool:
+        return self.low <= size <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.low}..{self.high}]"
+
+
+@dataclass(frozen=True)
 class ValueInfo:
-    """A named value of a layer's execution state. `shape` ([seq, batch, width]) is given
-    for tensors and checked when the value is produced; `graph` values are LocalGraphs;
-    `aux` values are inputs such as the attention mask or rotary table (may be None)."""
+    """A named value of a layer's execution state. `shape` is given for tensors and checked
+    when the value is produced (`[seq, batch, width]` for the layer's activations, token
+    rows `[tokens, width]` or `[tokens]` inside an MoE layer); an entry may be a
+    `VariableDim` (a run-time size within declared bounds). `graph` values are LocalGraphs;
+    `aux` values are inputs such as the attention mask or rotary table (may be None) and
+    run-time metadata (MoE routing maps and split sizes), not shape-checked."""
 
     name: str
     kind: str = "tensor"
@@ -33,6 +58,20 @@ class ValueInfo:
     def __post_init__(self):
         if self.kind not in VALUE_KINDS:
             raise ValueError(f"value {self.name}: kind {self.kind!r} not in {VALUE_KINDS}")
+
+    def admits(self, shape) -> bool:
+        """True when a tensor of `shape` is what this value declares: the same rank, every
+        fixed dimension equal, every variable dimension within its bounds."""
+        if self.shape is None:
+            return True
+        shape = tuple(shape)
+        if len(shape) != len(self.shape):
+            return False
+        return all(d.admits(n) if isinstance(d, VariableDim) else d == n
+                   for d, n in zip(self.shape, shape))
+
+    def shape_text(self) -> str:
+        return "(" + ", ".join(str(d) for d in self.shape) + ")" if self.shape else "()"
 
 
 class Program:

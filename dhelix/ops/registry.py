@@ -73,6 +73,7 @@ def _ensure_builtin_kernels() -> None:
     # The built-in kernels import this module; load them on first lookup (no import cycle).
     if not _KERNELS:
         import dhelix.ops.kernels  # noqa: F401  (registers on import)
+        import dhelix.ops.moe_kernels  # noqa: F401
 
 
 def cost_key(name: str, dtype: str, dims: Mapping[str, object], *, group_size: Optional[int] = None,

@@ -120,10 +120,10 @@ class LayerExecution:
         if info.kind == "tensor":
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"value {name!r} must be a tensor, got {type(value).__name__}")
-            if value.shape != info.shape:
+            if not info.admits(value.shape):
                 raise RuntimeError(
                     f"value {name!r} has shape {tuple(value.shape)} but the program expects "
-                    f"{info.shape} ({self.bound.description.summary()})"
+                    f"{info.shape_text()} ({self.bound.description.summary()})"
                 )
         self._values[name] = value
 

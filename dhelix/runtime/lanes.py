@@ -75,11 +75,13 @@ class Lanes:
               no_comm_timing_only: bool = False, pool: LanePool | None = None) -> "Lanes":
         """`role_groups`: role -> this rank's process group for that role (e.g. Megatron's
         TP group). For each role, channel in `channels` (the channels the layers'
-        collectives use: a lane nobody uses is an idle group) and strand slot, a group with
+        collectives use: a lane nobody uses is an idle group; one tuple for every role, or
+        a dict role -> channels) and strand slot, a group with
         the same ranks, for every group of that role in the world, with `job.timeout`
         (torch's default, 30 minutes, for `Job()`); taken from `pool` when it has one with
         those ranks, else created (and added to `pool`)."""
-        unknown = sorted(set(channels) - set(COMM_LANES))
+        by_role = channels if isinstance(channels, dict) else {r: channels for r in role_groups}
+        unknown = sorted({c for used in by_role.values() for c in used} - set(COMM_LANES))
         if unknown:
             raise ValueError(f"unknown communication channels {unknown}; known: {COMM_LANES}")
         lanes = cls(no_comm_timing_only=no_comm_timing_only)
@@ -89,7 +91,7 @@ class Lanes:
             dist.all_gather_object(everyone, mine)
             all_groups = sorted(set(everyone))
             for lane in COMM_LANES:
-                if lane not in channels:
+                if lane not in by_role.get(role, ()):
                     continue
                 for slot in STRAND_SLOTS:
                     for ranks in all_groups:
@@ -110,16 +112,41 @@ class Lanes:
         execution.no_comm_timing_only = self.no_comm_timing_only
 
 
-def comm_channels(bound_layers) -> tuple:
+def comm_channels(bound_layers, role: str | None = None) -> tuple:
     """The channels ('intra', 'inter') the collectives of `bound_layers`' programs use
-    (`dhelix.ops.runner.BoundLayer`), in `COMM_LANES` order."""
+    (`dhelix.ops.runner.BoundLayer`), in `COMM_LANES` order; with `role`, only those of
+    the collectives on that process-group role ('tp', 'ep')."""
     used = set()
     for bound in bound_layers:
         for direction in ("fwd", "bwd"):
             program = bound.programs.program(direction)
-            used.update(program[op_id].channel for op_id in program.ids
-                        if program[op_id].kind == "comm")
+            used.update(op.channel for op in program.ops if op.kind == "comm"
+                        and (role is None or op.attrs.get("group") == role))
     return tuple(lane for lane in COMM_LANES if lane in used)
+
+
+def layer_lanes(bound_layers, tensor_model_parallel_size: int, job: Job, *,
+                no_comm_timing_only: bool = False, pool: LanePool | None = None
+                ) -> Lanes | None:
+    """The lanes of the layers' collectives: Megatron's tensor-parallel group (TP > 1) and,
+    when MoE layers all-to-all over more than one rank, its expert-parallel group, each for
+    the channels its collectives use; None when neither (a layer's own group then serves
+    its few collectives). Collective over the world, like `Lanes.build`; Megatron's parallel
+    state must exist."""
+    from megatron.core import parallel_state
+
+    role_groups, channels = {}, {}
+    if tensor_model_parallel_size > 1:
+        role_groups["tp"] = parallel_state.get_tensor_model_parallel_group()
+        channels["tp"] = comm_channels(bound_layers, "tp")
+    ep_channels = comm_channels(bound_layers, "ep")
+    if ep_channels and parallel_state.get_expert_model_parallel_world_size() > 1:
+        role_groups["ep"] = parallel_state.get_expert_model_parallel_group()
+        channels["ep"] = ep_channels
+    if not role_groups:
+        return None
+    return Lanes.build(role_groups, job, channels=channels,
+                       no_comm_timing_only=no_comm_timing_only, pool=pool)
 
 
 def tensor_parallel_lanes(tensor_model_parallel_size: int, job: Job, *, channels,

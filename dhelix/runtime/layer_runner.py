@@ -23,6 +23,15 @@ from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_alone, run_block, run_blocks
 
 
+@dataclass(frozen=True)
+class PairPlan:
+    """Strand orders and blocks of one (forward layer, backward layer) pair."""
+
+    fwd_order: tuple
+    bwd_order: tuple
+    blocks: tuple
+
+
 @dataclass
 class LayerRunner:
     """`bound_layers[i]` binds local layer i; `lanes` (None without TP) routes collectives;
@@ -42,13 +51,38 @@ class LayerRunner:
     timeline: object = None
     block_barriers: bool = True
     seam: object = None
+    # A stack whose layers have different programs (dense and MoE layers): the plan of each
+    # (forward programs, backward programs) pair a paired block meets, keyed by the two
+    # `LayerPrograms` objects (shared by equal layers); None: one plan (the fields above)
+    # serves every pair. Layer pairs then never meet at a seam.
+    pair_plans: dict | None = None
 
     def __post_init__(self):
         self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
+        if self.pair_plans is not None:
+            if self.seam is not None:
+                raise ValueError("layer pairs of a mixed stack do not meet at seams")
+            self.pair_plans = {key: PairPlan(tuple(p.fwd_order), tuple(p.bwd_order),
+                                             tuple(Block(tuple(b.fwd), tuple(b.bwd))
+                                                   for b in p.blocks))
+                               for key, p in self.pair_plans.items()}
 
     def new_execution(self, layer: int):
         """A fresh execution of local layer `layer`, its collectives on the lanes."""
         return lane_execution(self.bound_layers[layer], self.lanes)
+
+    def _plan(self, fwd_programs, bwd_programs) -> "PairPlan":
+        """The plan of a forward of `fwd_programs` paired with a backward of
+        `bwd_programs`; with one of them None, any plan with the other's order."""
+        if self.pair_plans is None:
+            return PairPlan(self.fwd_order, self.bwd_order, self.blocks)
+        for (f, b), plan in self.pair_plans.items():
+            if (fwd_programs is None or f is fwd_programs) and (bwd_programs is None
+                                                               or b is bwd_programs):
+                return plan
+        raise KeyError("no plan pairs these layers' programs (a forward of "
+                       f"{getattr(fwd_programs, 'description', None)} with a backward of "
+                       f"{getattr(bwd_programs, 'description', None)})")
 
     def forward_alone(self, layers: Sequence[int], x: torch.Tensor,
                       rotary_pos_emb=None) -> tuple[torch.Tensor, list]:
@@ -58,7 +92,7 @@ class LayerRunner:
         for layer in layers:
             execution = self.new_execution(layer)
             execution.begin_forward(x, None, rotary_pos_emb)
-            run_alone(execution, self.fwd_order, self.timeline)
+            run_alone(execution, self._plan(execution.programs, None).fwd_order, self.timeline)
             x = execution.end_forward()
             executions.append(execution)
         return x, executions
@@ -68,7 +102,7 @@ class LayerRunner:
         Returns the gradient of the first layer's input."""
         for execution in executions:
             execution.begin_backward(grad)
-            run_alone(execution, self.bwd_order, self.timeline)
+            run_alone(execution, self._plan(None, execution.programs).bwd_order, self.timeline)
             grad = execution.end_backward()
         return grad
 
@@ -92,7 +126,8 @@ class LayerRunner:
         for index, (layer, bwd) in enumerate(zip(fwd_layers, bwd_executions)):
             fwd = self.new_execution(layer)
             fwd.begin_forward(x, None, rotary_pos_emb)
-            start, end = 0, len(self.blocks)
+            blocks = self._plan(fwd.programs, bwd.programs).blocks
+            start, end = 0, len(blocks)
             if unfinished is not None:
                 run_block(fwd, unfinished, seam.block, barrier=True, timeline=self.timeline)
                 grad = unfinished.end_backward()
@@ -101,7 +136,7 @@ class LayerRunner:
             unfinished = bwd if seam is not None and index < count - 1 else None
             if unfinished is not None:
                 end -= seam.tail
-            run_blocks(fwd, bwd, self.blocks[start:end], barrier=self.block_barriers,
+            run_blocks(fwd, bwd, blocks[start:end], barrier=self.block_barriers,
                        timeline=self.timeline)
             x = fwd.end_forward()
             if unfinished is None:

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from megatron_patches.moe_regions import record_tracker_state
 from planner.memory import OpMemory
 
 
@@ -38,7 +39,7 @@ def _no_side_effects(layer):
     except Exception:  # noqa: BLE001 - no megatron-core tracker initialised: nothing to keep
         tracker = None
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), record_tracker_state():
         for p in params:
             p.requires_grad_(False)
         try:

@@ -46,8 +46,7 @@ from dhelix.options import AUTO_MEMORY_MARGIN, SEQUENTIAL, DHelixOptions, DHelix
 from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.intra_batch_passes import IntraBatchPasses
-from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, comm_channels, \
-    tensor_parallel_lanes
+from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, layer_lanes
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.operator_passes import OperatorPasses
 from dhelix.schedules.runner import ScheduleEngine
@@ -100,6 +99,9 @@ class DHelixSetup:
     # the cost model the plan was built with at start-up (None for a plan file or the
     # Domino split): what the benchmark's predicted step reads besides the plan
     costs: object = None
+    # a mixed dense/MoE stack: the plan of every (forward programs, backward programs) pair
+    # (`LayerRunner.pair_plans`); `plan` is then the first pair's. None: one plan.
+    pair_plans: dict | None = None
 
     @property
     def forward_backward_func(self) -> Callable:
@@ -171,6 +173,79 @@ def _load_run_plan(options: DHelixOptions, expected: dict, fwd, bwd):
         raise PlanMismatch(f"{exc} ({note})") from None
 
 
+def _layer_kinds(bound_layers) -> list:
+    """The distinct programs of the stack's layers, in first-appearance order."""
+    kinds = []
+    for layer in bound_layers:
+        if not any(layer.programs is k for k in kinds):
+            kinds.append(layer.programs)
+    return kinds
+
+
+def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_only: bool
+                       ) -> DHelixSetup:
+    """A PP=1 stack of different layers (a `--moe-layer-freq` stack of dense and MoE
+    layers): one plan, built at start-up, per (forward layer, backward layer) pair the SI
+    schedule meets (forward layer l with backward layer L-1-l), each bounded by the memory
+    of its two layers' operators; no seams between layer pairs."""
+    options = run.options
+    if options.plan:
+        raise DHelixSetupError("--dhelix-plan serves a stack of identical layers; a stack of "
+                               "dense and MoE layers plans each layer pair at start-up: drop "
+                               "--dhelix-plan")
+    kinds = _layer_kinds(bound)
+    memory = {}
+    if options.memory_bound and options.pairer == "dp":
+        rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
+        device = model_device(parts.model)
+        for programs in kinds:  # collective: every rank measures its kinds in stack order
+            first = next(layer for layer in bound if layer.programs is programs)
+            memory[id(programs)] = measure_op_memory(first, device, rope)
+    count = len(bound)
+    pairs = []
+    for index in range(count):
+        key = (bound[index].programs, bound[count - 1 - index].programs)
+        if not any(key[0] is f and key[1] is b for f, b in pairs):
+            pairs.append(key)
+    pair_plans, sources, first_plan, first_costs = {}, [], None, None
+    for fwd_programs, bwd_programs in pairs:
+        fwd, bwd = fwd_programs.forward.dag(), bwd_programs.backward.dag()
+        bound_memory = None
+        if memory:
+            mem_f = memory[id(fwd_programs)][0]
+            mem_b = memory[id(bwd_programs)][1]
+            margin = _memory_margin(options, count, fwd, mem_f)
+            bound_memory = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f,
+                                      mem_b, margin)
+        plan, source, costs = _resolve_plan(run, fwd, bwd, bound_memory)
+        pair_plans[(fwd_programs, bwd_programs)] = plan
+        sources.append(f"{_kind_name(fwd_programs)} fwd x {_kind_name(bwd_programs)} bwd: "
+                       f"{source}")
+        if first_plan is None:
+            first_plan, first_costs = plan, costs
+    runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(first_plan.fwd_order),
+                         bwd_order=tuple(first_plan.bwd_order), blocks=tuple(first_plan.blocks),
+                         block_barriers=options.block_barriers, pair_plans=pair_plans)
+    engine = ScheduleEngine(build_si_schedule,
+                            OperatorPasses(parts, runner, loss_at_forward=False))
+    return DHelixSetup(parts=parts, runner=runner, plan=first_plan,
+                       plan_source=f"{len(pair_plans)} layer-pair plans ({'; '.join(sources)})",
+                       engine=engine, timing_only=timing_only, costs=first_costs,
+                       pair_plans=pair_plans)
+
+
+def _kind_name(programs) -> str:
+    return "MoE" if programs.description.moe is not None else "dense"
+
+
+def _memory_margin(options: DHelixOptions, layers: int, fwd, mem_f) -> float:
+    """`--dhelix-memory-margin`, else AUTO_MEMORY_MARGIN of the saved activations of
+    `layers` layers like the one `fwd` / `mem_f` describe."""
+    if options.memory_margin_mib is not None:
+        return options.memory_margin_mib * MIB
+    return AUTO_MEMORY_MARGIN * layers * layer_activation_bytes(topological_sort(fwd), mem_f)
+
+
 def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     """The DP's memory bound for this run (`planner.memory`), from one layer's operators
     measured now (`dhelix.runtime.memory_profile`, collective over the world); None with
@@ -183,13 +258,8 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
         return None
     rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
     mem_f, mem_b = measure_op_memory(bound_layers[0], model_device(parts.model), rope)
-    fwd_order = topological_sort(fwd)
-    if options.memory_margin_mib is not None:
-        margin = options.memory_margin_mib * MIB
-    else:
-        margin = AUTO_MEMORY_MARGIN * len(bound_layers) * layer_activation_bytes(fwd_order,
-                                                                                 mem_f)
-    return make_bound(fwd_order, topological_sort(bwd), mem_f, mem_b, margin)
+    margin = _memory_margin(options, len(bound_layers), fwd, mem_f)
+    return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin)
 
 
 def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
@@ -273,12 +343,12 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     bound = [BoundLayer(layer, run.model.seq_length, layer_batch, rope=run.model.rope)
              for layer in parts.layers]
     dags = bound[0].programs.dags()
-    for layer in bound[1:]:
-        if layer.programs.dags() != dags:
-            raise DHelixSetupError("--dhelix needs identical layers (one plan serves all)")
-    lanes = tensor_parallel_lanes(parallel.tensor_model_parallel_size, job,
-                                  channels=comm_channels(bound),
-                                  no_comm_timing_only=timing_only, pool=lane_pool)
+    mixed = any(layer.programs.dags() != dags for layer in bound[1:])
+    if mixed and (domino or pipelined):
+        raise DHelixSetupError("--dhelix runs a stack of different layers (dense and MoE) "
+                               "only without pipelining and without the Domino split")
+    lanes = layer_lanes(bound, parallel.tensor_model_parallel_size, job,
+                        no_comm_timing_only=timing_only, pool=lane_pool)
     if domino:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
@@ -290,6 +360,8 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
         source = "domino: intra-batch split, staggered halves, no planning"
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
                            engine=engine, timing_only=timing_only)
+    if mixed:
+        return _setup_mixed_stack(run, parts, bound, lanes, timing_only)
     memory = None if options.plan else _memory_bound(run, parts, bound, dags["fwd"],
                                                       dags["bwd"])
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)

@@ -187,8 +187,8 @@ def test_config_checks_name_moe_and_context_parallelism():
 
     config = core_transformer_config_from_args(parse_megatron_args(TINY))
     check_supported_config(config)
-    moe = replace(config, num_moe_experts=4, moe_ffn_hidden_size=128)
-    with pytest.raises(UnsupportedLayerError, match="MoE"):
+    moe = replace(config, num_moe_experts=4, moe_ffn_hidden_size=128)  # allgather dispatcher
+    with pytest.raises(UnsupportedLayerError, match="MoE token dispatcher 'allgather'"):
         check_supported_config(moe)
     cp = replace(config, context_parallel_size=2)
     with pytest.raises(UnsupportedLayerError, match="context parallelism"):

@@ -303,6 +303,13 @@ def test_profile_command_errors(tmp_path):
                           "for a --dhelix run, not with one"),
     ([*TINY, "--no-such-argument"], "error: unrecognized arguments: --no-such-argument"),
     (["--preset", "no-such-preset"], "dhelix profile: error: --preset: no preset"),
+    # one layer kind per job: a stack of MoE and dense layers is refused (EP=2, TP=1)
+    ([*MEGATRON_TINY, "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall",
+      "--expert-model-parallel-size", "2", "--moe-layer-freq", "[1,0,1,0]"],
+     "dhelix profile: error: --moe-layer-freq: dhelix profile measures one layer kind"),
+    # an MoE setting the operators do not implement is named before launching
+    ([*MEGATRON_TINY, "--num-experts", "4", "--expert-model-parallel-size", "2"],
+     "dhelix profile: error: MoE token dispatcher 'allgather'"),
 ])
 def test_profile_refuses_bad_megatron_arguments_before_launching(argv, message, tmp_path,
                                                                   monkeypatch, capsys):

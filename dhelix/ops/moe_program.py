@@ -1,0 +1,234 @@
+"""The MLP half of an MoE TransformerLayer as operators (after the attention half, which is
+the dense layer's). Forward, 13 operators:
+
+    ln2, router, counts.ag, permute, dispatch.a2a,
+    experts.sort, experts.fc1, experts.act, experts.fc2, experts.unsort,
+    combine.a2a, unpermute, bda2
+
+(`counts.ag` exchanges each rank's token count per expert over the expert-parallel group:
+the all-to-all split sizes are known only after routing); backward, 16 operators (15 when
+the experts have no biases):
+
+    bda2.bwd, unpermute.bwd, combine.a2a_grad, experts.unsort.bwd,
+    experts.fc2.dgrad, experts.fc2.wgrad, experts.act.bwd, experts.fc1.dgrad,
+    experts.fc1.wgrad, experts.probs_sum, experts.sort.bwd, dispatch.a2a_grad,
+    permute.bwd, router.bwd, ln2.grad_sum, ln2.bwd
+
+The `experts.*` operators are the rank's local experts (megatron-core's SequentialMLP) taken
+apart as the dense MLP is: the received rows sorted by local expert, each expert's FC1 GEMM
+on its rows, each expert's own MLP code between the GEMMs (FC1 bias, activation, the
+routing probabilities), its FC2 GEMM, then its FC2 bias times the probabilities and the
+inverse sort. Each GEMM's backward is a dgrad and a movable wgrad (one operator each over
+all local experts, `expert_linear_*`). The routing probabilities feed the activation and
+the FC2 bias, so their gradient is a two-term sum (`experts.probs_sum`). The layer
+input of the MLP half (`ln2.out`) feeds two readers, the router and the permutation, so its
+gradient is the sum of their two gradients (`ln2.grad_sum`; two terms, so the sum is
+bit-identical to autograd's accumulation in either order).
+
+Token-row values are `[rows, hidden]` (`[rows]` for the routing probabilities): `T` routed
+tokens of this rank (s * b), `T*k` rows after the permutation, and a variable number of
+rows received from the expert-parallel group (`VariableDim` "recv", bounded by
+`MoEDescription.received_high`).
+"""
+
+from __future__ import annotations
+
+from dhelix.ops.program import ValueInfo, VariableDim
+from dhelix.ops.registry import cost_key
+
+COMP, COMM = "comp", "comm"
+# the all-to-alls that carry token rows to the experts (the others carry them back)
+TO_EXPERTS = ("dispatch.a2a", "combine.a2a_grad")
+
+
+def _rows(b, name: str, *shape) -> str:
+    b.values[name] = ValueInfo(name, "tensor", tuple(shape))
+    return name
+
+
+def _dims(desc) -> tuple:
+    moe = desc.moe
+    tokens = desc.tokens_local
+    recv = VariableDim("recv", 0, moe.received_high(tokens))
+    return moe, tokens, tokens * moe.topk, recv
+
+
+def _a2a(b, direction: str, op_id: str, inputs, outputs, rows: int) -> None:
+    d = b.desc
+    key = cost_key("all_to_all", d.dtype, {"rows": rows, "h": d.hidden_size},
+                   group_size=d.moe.ep_size, channel=d.ep_channel)
+    b.op(direction, op_id, "moe_all_to_all", COMM, "all_to_all", inputs, outputs, key,
+         group="ep", channel=d.ep_channel, to_experts=op_id in TO_EXPERTS)
+
+
+def _expert_key(b, name: str, **dims) -> str:
+    d = b.desc
+    return b.key(name, rows=d.tokens_local * d.moe.topk, experts=d.moe.num_local_experts,
+                 **dims)
+
+
+def _experts_forward(b, recv) -> None:
+    """The local experts on the received rows: sort by expert, FC1 GEMMs, activation with
+    the probabilities, FC2 GEMMs, FC2 bias with the probabilities and the inverse sort."""
+    d = b.desc
+    h, f = d.hidden_size, d.moe.ffn_hidden_size
+    f1 = 2 * f if d.gated_linear_unit else f
+    _rows(b, "experts.in", recv, h)
+    _rows(b, "experts.probs", recv)
+    b.op("fwd", "experts.sort", "moe_sort", COMP, "permute",
+         ["dispatch.tokens", "dispatch.probs", "dispatch.splits"],
+         ["experts.in", "experts.probs", b.graph("experts.sort.graph")],
+         _expert_key(b, "expert_sort.fwd", h=h), module="mlp")
+    _rows(b, "experts.fc1.out", recv, f1)
+    b.op("fwd", "experts.fc1", "expert_linear_fwd", COMP, "gemm",
+         ["experts.in", "dispatch.splits"], ["experts.fc1.out"],
+         _expert_key(b, "expert_linear.fwd", n=f1, k=h), linear="linear_fc1")
+    _rows(b, "experts.act.out", recv, f)
+    b.op("fwd", "experts.act", "expert_activation", COMP, "elementwise",
+         ["experts.fc1.out", "experts.probs", "dispatch.splits"],
+         ["experts.act.out", b.graph("experts.act.graph")],
+         _expert_key(b, f"expert_{d.activation_kernel}.fwd", f=f1, bias=d.add_bias_linear))
+    _rows(b, "experts.fc2.out", recv, h)
+    b.op("fwd", "experts.fc2", "expert_linear_fwd", COMP, "gemm",
+         ["experts.act.out", "dispatch.splits"], ["experts.fc2.out"],
+         _expert_key(b, "expert_linear.fwd", n=h, k=f), linear="linear_fc2")
+    _rows(b, "experts.out", recv, h)
+    probs = ["experts.probs"] if d.add_bias_linear else []
+    b.op("fwd", "experts.unsort", "moe_unsort", COMP, "permute",
+         ["experts.fc2.out", *probs, "dispatch.splits"],
+         ["experts.out", b.graph("experts.unsort.graph")],
+         _expert_key(b, "expert_unsort.fwd", h=h, bias=d.add_bias_linear), module="mlp")
+
+
+def _expert_gemm_backward(b, gemm: str, saved_input: str, grad_input: str, recv, n: int,
+                          k: int) -> None:
+    """The dgrad and the movable wgrad of the experts' `gemm` (fc1 / fc2: n output, k input
+    features), from `d.experts.<gemm>.out`."""
+    grad = f"d.experts.{gemm}.out"
+    _rows(b, grad_input, recv, k)
+    b.op("bwd", f"experts.{gemm}.dgrad", "expert_linear_dgrad", COMP, "gemm",
+         [grad, "dispatch.splits"], [grad_input],
+         _expert_key(b, "expert_linear.dgrad", n=n, k=k), linear=f"linear_{gemm}")
+    b.op("bwd", f"experts.{gemm}.wgrad", "expert_linear_wgrad", COMP, "gemm",
+         [grad, saved_input, "dispatch.splits"], [],
+         _expert_key(b, "expert_linear.wgrad", n=n, k=k), movable=True,
+         linear=f"linear_{gemm}")
+
+
+def _experts_backward(b, recv) -> None:
+    """Backward of `_experts_forward`: each GEMM as a dgrad and a movable wgrad; the
+    probabilities' two gradients (activation, FC2 bias) summed when the experts have
+    biases."""
+    d = b.desc
+    h, f = d.hidden_size, d.moe.ffn_hidden_size
+    f1 = 2 * f if d.gated_linear_unit else f
+    bias = d.add_bias_linear
+    _rows(b, "d.experts.fc2.out", recv, h)
+    probs_grads = ["d.experts.probs.bias"] if bias else []
+    for name in probs_grads:
+        _rows(b, name, recv)
+    b.op("bwd", "experts.unsort.bwd", "graph_bwd", COMP, "permute",
+         ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
+         _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
+         grads_of=("x", "probs") if bias else ("x",))
+    _expert_gemm_backward(b, "fc2", "experts.act.out", "d.experts.act.out", recv, n=h, k=f)
+    _rows(b, "d.experts.fc1.out", recv, f1)
+    act_probs = "d.experts.probs.act" if bias else "d.experts.probs"
+    _rows(b, act_probs, recv)
+    b.op("bwd", "experts.act.bwd", "graph_bwd", COMP, "elementwise",
+         ["experts.act.graph", "d.experts.act.out"], ["d.experts.fc1.out", act_probs],
+         _expert_key(b, f"expert_{d.activation_kernel}.bwd", f=f1, bias=bias),
+         grads_of=("x", "probs"))
+    _expert_gemm_backward(b, "fc1", "experts.in", "d.experts.in", recv, n=f1, k=h)
+    if bias:
+        _rows(b, "d.experts.probs", recv)
+        b.op("bwd", "experts.probs_sum", "grad_sum", COMP, "elementwise",
+             ["d.experts.probs.act", "d.experts.probs.bias"], ["d.experts.probs"],
+             _expert_key(b, "add"))
+    _rows(b, "d.dispatch.tokens", recv, h)
+    _rows(b, "d.dispatch.probs", recv)
+    b.op("bwd", "experts.sort.bwd", "graph_bwd", COMP, "permute",
+         ["experts.sort.graph", "d.experts.in", "d.experts.probs"],
+         ["d.dispatch.tokens", "d.dispatch.probs"], _expert_key(b, "expert_sort.bwd", h=h),
+         grads_of=("x", "probs"))
+
+
+def moe_forward(b, norm) -> None:
+    """Forward ops of the MoE MLP half from `h1` to `y`; `norm(b)` emits `ln2`."""
+    d = b.desc
+    moe, tokens, routed, recv = _dims(d)
+    h, e = d.hidden_size, moe.num_experts
+    norm(b)
+    b.aux("router.map")
+    _rows(b, "router.probs", tokens, e)
+    b.op("fwd", "router", "router_fwd", COMP, "router", ["ln2.out"],
+         ["router.probs", "router.map", b.graph("router.graph")],
+         b.key("router.fwd", t=tokens, h=h, e=e, k=moe.topk, aux=moe.aux_loss), module="mlp")
+    _rows(b, "counts", moe.ep_size * e)
+    b.op("fwd", "counts.ag", "moe_token_counts", COMM, "all_gather", ["router.map"], ["counts"],
+         cost_key("all_gather", "int64", {"shape": moe.ep_size * e},
+                  group_size=moe.ep_size, channel=d.ep_channel),
+         group="ep", channel=d.ep_channel)
+    _rows(b, "permute.tokens", routed, h)
+    _rows(b, "permute.probs", routed)
+    b.op("fwd", "permute", "moe_permute", COMP, "permute", ["ln2.out", "router.probs",
+                                                           "router.map"],
+         ["permute.tokens", "permute.probs", b.aux("permute.rows"), b.graph("permute.graph")],
+         b.key("permute.fwd", t=tokens, h=h, e=e, k=moe.topk), module="mlp")
+    _rows(b, "dispatch.tokens", recv, h)
+    _rows(b, "dispatch.probs", recv)
+    _a2a(b, "fwd", "dispatch.a2a", ["permute.tokens", "permute.probs", "counts"],
+         ["dispatch.tokens", "dispatch.probs", b.aux("dispatch.splits")], routed)
+    _experts_forward(b, recv)
+    _rows(b, "combine.out", routed, h)
+    _a2a(b, "fwd", "combine.a2a", ["experts.out", "dispatch.splits"], ["combine.out"], routed)
+    b.tensor("mlp.out", d.local_seq, h)
+    b.op("fwd", "unpermute", "moe_unpermute", COMP, "permute",
+         ["combine.out", "permute.rows", "router.map"], ["mlp.out", b.graph("unpermute.graph")],
+         b.key("unpermute.fwd", t=tokens, h=h, e=e, k=moe.topk), module="mlp")
+    b.tensor("y", d.local_seq, h)
+    b.op("fwd", "bda2", "bda_fwd", COMP, "elementwise", ["mlp.out", "h1"],
+         ["y", b.graph("bda2.graph")],
+         b.key("bias_dropout_add.fwd", s=d.local_seq, b=d.micro_batch_size, h=h, bias=False),
+         module="mlp_bda", bias_module=None)
+
+
+def moe_backward(b, norm_backward) -> None:
+    """Backward ops of the MoE MLP half from `d.y` to `d.h1`; `norm_backward(b)` emits
+    `ln2.bwd` reading `d.ln2.out` and the residual gradient `d.h1.res`."""
+    d = b.desc
+    moe, tokens, routed, recv = _dims(d)
+    h, e, s, bsz = d.hidden_size, moe.num_experts, d.local_seq, d.micro_batch_size
+    b.like("d.mlp.out", "mlp.out")
+    b.like("d.h1.res", "h1")
+    b.op("bwd", "bda2.bwd", "graph_bwd", COMP, "elementwise", ["bda2.graph", "d.y"],
+         ["d.mlp.out", "d.h1.res"],
+         b.key("bias_dropout_add.bwd", s=s, b=bsz, h=h, bias=False), grads_of=("x", "residual"))
+    _rows(b, "d.combine.out", routed, h)
+    b.op("bwd", "unpermute.bwd", "graph_bwd", COMP, "permute", ["unpermute.graph", "d.mlp.out"],
+         ["d.combine.out"], b.key("unpermute.bwd", t=tokens, h=h, e=e, k=moe.topk),
+         grads_of=("x",))
+    _rows(b, "d.experts.out", recv, h)
+    _a2a(b, "bwd", "combine.a2a_grad", ["d.combine.out", "dispatch.splits"], ["d.experts.out"],
+         routed)
+    _experts_backward(b, recv)
+    _rows(b, "d.permute.tokens", routed, h)
+    _rows(b, "d.permute.probs", routed)
+    _a2a(b, "bwd", "dispatch.a2a_grad", ["d.dispatch.tokens", "d.dispatch.probs",
+                                         "dispatch.splits"],
+         ["d.permute.tokens", "d.permute.probs"], routed)
+    b.tensor("d.ln2.out.tokens", s, h)
+    _rows(b, "d.router.probs", tokens, e)
+    b.op("bwd", "permute.bwd", "graph_bwd", COMP, "permute",
+         ["permute.graph", "d.permute.tokens", "d.permute.probs"],
+         ["d.ln2.out.tokens", "d.router.probs"],
+         b.key("permute.bwd", t=tokens, h=h, e=e, k=moe.topk), grads_of=("x", "probs"))
+    b.tensor("d.ln2.out.router", s, h)
+    b.op("bwd", "router.bwd", "graph_bwd", COMP, "router", ["router.graph", "d.router.probs"],
+         ["d.ln2.out.router"], b.key("router.bwd", t=tokens, h=h, e=e, k=moe.topk,
+                                     aux=moe.aux_loss), grads_of=("x",))
+    b.tensor("d.ln2.out", s, h)
+    b.op("bwd", "ln2.grad_sum", "grad_sum", COMP, "elementwise",
+         ["d.ln2.out.tokens", "d.ln2.out.router"], ["d.ln2.out"],
+         b.key("add", s=s, b=bsz, h=h))
+    norm_backward(b)

@@ -1,0 +1,189 @@
+"""Run the parts of megatron-core's `MoELayer` (alltoall token dispatcher, dropless, TP=1)
+between its communications, for the MoE operators (`dhelix.ops.moe_kernels`). The only
+code touching MoE internals, as `layer_regions` is for the dense layer.
+
+Each region calls Megatron's own code on Megatron's own modules: the router
+(`MoELayer.route`: gating, top-k, the auxiliary load-balancing loss attached to the
+probabilities and recorded in Megatron's MoE metrics tracker), `moe_utils.permute` /
+`unpermute` / `sort_chunks_by_idxs` with the dispatcher's sort indices, and each local
+expert's own MLP code between its GEMMs (`layer_regions.expert_activation` /
+`expert_fc2_bias`; the GEMMs are the operators' own, as for the dense MLP). What `MoEAlltoAllTokenDispatcher` keeps on itself between
+its steps (split sizes, permutation rows, routing map) is returned here as values, which the
+operators hold per micro-batch, so two micro-batches can be in flight in one layer.
+`dispatch_splits` repeats the dispatcher's `preprocess` arithmetic for TP=1 (dropless), from
+the token counts the operators exchanged themselves; `record_tracker_state` keeps the
+tracker untouched by a measurement run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+def route(moe_layer, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [tokens, experts] with the aux-loss attached when training, routing map
+    [tokens, experts] bool): `MoELayer.route` on the MLP input [s, b, h]."""
+    return moe_layer.route(hidden)
+
+
+def local_token_counts(routing_map: torch.Tensor) -> torch.Tensor:
+    """Tokens this rank routes to each expert (`preprocess`: `routing_map.sum(0).long()`)."""
+    return routing_map.sum(dim=0).long()
+
+
+def permute_tokens(moe_layer, hidden: torch.Tensor, probs: torch.Tensor,
+                   routing_map: torch.Tensor):
+    """`dispatch_preprocess`'s permutation: (token rows grouped by expert [T*k, h], their
+    probabilities [T*k], the permutation rows unpermute needs)."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    config = moe_layer.config
+    flat = hidden.view(-1, hidden.shape[-1])
+    tokens, permuted_probs, rows, _, _ = permute(
+        flat, routing_map, probs=probs, num_out_tokens=routing_map.size(0) * config.moe_router_topk,
+        fused=config.moe_permute_fusion, drop_and_pad=False)
+    return tokens, permuted_probs, rows
+
+
+@dataclass(frozen=True)
+class DispatchSplits:
+    """Per micro-batch all-to-all metadata of one MoE layer: rows sent to / received from
+    each expert-parallel rank, tokens per local expert, and received tokens per (source
+    rank, local expert) (`num_global_tokens_per_local_expert`)."""
+
+    input_splits: tuple
+    output_splits: tuple
+    tokens_per_expert: torch.Tensor
+    per_local_expert: torch.Tensor
+
+
+def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> DispatchSplits:
+    """The alltoall dispatcher's `preprocess` for TP=1 (dropless) from the token counts of
+    every rank of the expert-parallel group (`gathered`, [ep * experts] in group order)."""
+    dispatcher = moe_layer.token_dispatcher
+    ep, experts = dispatcher.ep_size, dispatcher.num_experts
+    local_experts = dispatcher.num_local_experts
+    local = gathered.view(ep, experts)[ep_rank]
+    input_splits = local.reshape(ep, local_experts).sum(axis=1)
+    per_expert = gathered.reshape(ep, 1, experts).transpose(0, 1)
+    first, last = dispatcher.local_expert_indices[0], dispatcher.local_expert_indices[-1]
+    per_local_expert = per_expert[:, :, first:last + 1].contiguous()
+    per_rank = per_local_expert.sum(axis=2)
+    return DispatchSplits(input_splits=tuple(input_splits.tolist()),
+                          output_splits=tuple(per_rank[0].tolist()),
+                          tokens_per_expert=per_local_expert.sum(dim=(0, 1)),
+                          per_local_expert=per_local_expert.view(-1, local_experts))
+
+
+def sort_received(moe_layer, tokens: torch.Tensor, probs: torch.Tensor,
+                  splits: DispatchSplits):
+    """`dispatch_postprocess` for TP=1: the received rows (and probabilities) sorted by
+    local expert (unchanged, as views, with one local expert)."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    dispatcher = moe_layer.token_dispatcher
+    if dispatcher.num_local_experts == 1:
+        return tokens.view_as(tokens), probs.view_as(probs)
+    return sort_chunks_by_idxs(tokens, splits.per_local_expert.ravel(),
+                               dispatcher.sort_input_by_local_experts, probs=probs,
+                               fused=moe_layer.config.moe_permute_fusion)
+
+
+def unsort_expert_rows(moe_layer, rows: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
+    """`combine_preprocess` for TP=1: expert output rows back in received order."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    dispatcher = moe_layer.token_dispatcher
+    if dispatcher.num_local_experts == 1:
+        return rows
+    output, _ = sort_chunks_by_idxs(rows, splits.per_local_expert.T.ravel(),
+                                    dispatcher.restore_output_by_local_experts,
+                                    fused=moe_layer.config.moe_permute_fusion)
+    return output
+
+
+def local_experts(moe_layer) -> list:
+    """The rank's local experts (megatron-core MLPs), in order."""
+    return list(moe_layer.experts.local_experts)
+
+
+def expert_rows(splits: DispatchSplits) -> list:
+    """(start, stop) of each local expert's rows in the sorted received rows (SequentialMLP
+    splits them by `tokens_per_expert`)."""
+    bounds, start = [], 0
+    for count in splits.tokens_per_expert.tolist():
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
+def unpermute_tokens(moe_layer, rows_back: torch.Tensor, permutation_rows: torch.Tensor,
+                     routing_map: torch.Tensor, hidden_shape) -> torch.Tensor:
+    """`combine_postprocess`: the combined expert rows summed back into token order,
+    reshaped to the MLP input's [s, b, h]."""
+    from megatron.core.transformer.moe.moe_utils import unpermute
+
+    tokens = routing_map.size(0)
+    output = unpermute(rows_back, permutation_rows, restore_shape=torch.Size(
+        (tokens, hidden_shape[-1])), routing_map=routing_map,
+        fused=moe_layer.config.moe_permute_fusion, drop_and_pad=False)
+    return output.view(hidden_shape)
+
+
+def is_moe_layer(layer) -> bool:
+    return bool(getattr(layer, "is_moe_layer", False))
+
+
+def check_supported_moe_layer(layer) -> list:
+    """Sentences naming what the MoE operators do not implement in `layer`'s MLP (empty:
+    supported): megatron-core's MoELayer with a TopKRouter, the alltoall dispatcher and
+    SequentialMLP experts, no shared experts."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    mlp = layer.mlp
+    if type(mlp) is not MoELayer:
+        return [f"the MoE layer's mlp must be megatron-core's MoELayer, got {type(mlp).__name__}"]
+    problems = []
+    if type(mlp.router) is not TopKRouter:
+        problems.append(f"router {type(mlp.router).__name__} (TopKRouter only)")
+    if not isinstance(mlp.token_dispatcher, MoEAlltoAllTokenDispatcher):
+        problems.append(f"token dispatcher {type(mlp.token_dispatcher).__name__} (alltoall only)")
+    if not isinstance(mlp.experts, SequentialMLP):
+        problems.append(f"experts {type(mlp.experts).__name__} (SequentialMLP only: drop "
+                        "--moe-grouped-gemm)")
+    else:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        for index, expert in enumerate(mlp.experts.local_experts):
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            if not (type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear
+                    and fc1.skip_bias_add and fc2.skip_bias_add):
+                problems.append(f"local expert {index}'s linears must be Column/RowParallelLinear "
+                                "that skip their bias add (the local spec)")
+    if mlp.shared_experts is not None:
+        problems.append("shared experts")
+    return problems
+
+
+@contextlib.contextmanager
+def record_tracker_state():
+    """Leave Megatron's MoE metrics tracker (the recorded load-balancing losses) as it was:
+    for runs of MoE layers that are measurements, not training."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    saved = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
+    try:
+        yield
+    finally:
+        for name in list(tracker.metrics):
+            if name in saved:
+                tracker.metrics[name].values.copy_(saved[name])
+            else:
+                del tracker.metrics[name]

@@ -1,0 +1,149 @@
+"""Symbolic MoE operator programs (megatron-core's MoELayer with the alltoall dispatcher):
+their operators, the expert-parallel channel, the variable token counts of the all-to-all
+outputs as declared shapes, the layer kinds of a `--moe-layer-freq` stack, the refusals,
+and the analytic planner on MoE layer pairs. No process group needed (the numerics are
+checked through the plugin in tests/test_dhelix_moe.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from megatron.training.argument_utils import core_transformer_config_from_args
+
+from dhelix.ops.describe import LayerDescription, UnsupportedLayerError, check_supported_config
+from dhelix.ops.layer_program import build_layer_programs
+from dhelix.ops.moe_describe import MoEDescription
+from dhelix.ops.program import ValueInfo, VariableDim
+from dhelix.topology import NodeTopology
+from megatron_patches.parsed_arguments import parse_megatron_args
+from tests.megatron_lm_ranks import TINY
+
+MOE_FWD = ["ln2", "router", "counts.ag", "permute", "dispatch.a2a", "experts.sort",
+           "experts.fc1", "experts.act", "experts.fc2", "experts.unsort", "combine.a2a",
+           "unpermute", "bda2"]
+MOE_BWD = ["bda2.bwd", "unpermute.bwd", "combine.a2a_grad", "experts.unsort.bwd",
+           "experts.fc2.dgrad", "experts.fc2.wgrad", "experts.act.bwd", "experts.fc1.dgrad",
+           "experts.fc1.wgrad", "experts.probs_sum", "experts.sort.bwd", "dispatch.a2a_grad",
+           "permute.bwd", "router.bwd", "ln2.grad_sum", "ln2.bwd"]
+MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+            "alltoall", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"]
+
+
+def describe_moe(ranks_per_node=None, ep_ranks=(0, 1), **moe):
+    fields = dict(num_experts=4, topk=2, ffn_hidden_size=96, ep_ranks=ep_ranks, aux_loss=True)
+    fields.update(moe)
+    return LayerDescription(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                            num_query_groups=4, kv_channels=16, seq_length=8,
+                            micro_batch_size=2, topology=NodeTopology(ranks_per_node),
+                            moe=MoEDescription(**fields))
+
+
+def test_moe_mlp_operators():
+    programs = build_layer_programs(describe_moe())
+    assert programs.forward.ids[5:] == MOE_FWD
+    assert programs.backward.ids[:16] == MOE_BWD
+    # the attention half is the dense layer's
+    assert programs.forward.ids[:5] == ["ln1", "qkv", "attn", "proj", "bda1"]
+    comm = {op.id: op for op in (*programs.forward.ops, *programs.backward.ops)
+            if op.kind == "comm"}
+    assert sorted(comm) == ["combine.a2a", "combine.a2a_grad", "counts.ag", "dispatch.a2a",
+                            "dispatch.a2a_grad"]
+    assert all(op.attrs["group"] == "ep" for op in comm.values())
+    assert {op.id for op in comm.values() if op.op_class == "all_to_all"} == {
+        "dispatch.a2a", "combine.a2a", "combine.a2a_grad", "dispatch.a2a_grad"}
+    # rows go to the experts in the dispatch and in the combine's backward
+    assert {op.id for op in comm.values() if op.attrs.get("to_experts")} == {
+        "dispatch.a2a", "combine.a2a_grad"}
+    fwd = programs.forward
+    assert set(fwd["dispatch.a2a"].deps) == {"permute", "counts.ag"}
+    assert programs.backward["ln2.grad_sum"].deps == ("permute.bwd", "router.bwd")
+    assert fwd["experts.fc1"].cost_key == ("expert_linear.fwd(rows=32,experts=2,n=96,k=64)"
+                                           "/float32")
+    bwd = programs.backward
+    # each expert GEMM's backward: a dgrad and a movable wgrad (reading the saved input)
+    assert {op.id for op in bwd.ops if op.movable} == {
+        "experts.fc1.wgrad", "experts.fc2.wgrad", "proj.wgrad", "qkv.wgrad"}
+    assert bwd["experts.fc1.wgrad"].deps == ("experts.act.bwd",)
+    assert "experts.in" in programs.saved and "experts.act.out" in programs.saved
+    # without biases the probabilities have one gradient: no sum
+    no_bias = build_layer_programs(replace(describe_moe(), add_bias_linear=False))
+    assert "experts.probs_sum" not in no_bias.backward.ids
+    assert len(no_bias.backward) == len(bwd) - 1
+    assert fwd["dispatch.a2a"].cost_key == "all_to_all(rows=32,h=64)/float32/g2/intra"
+
+
+def test_all_to_all_channel_follows_the_expert_parallel_group():
+    def channels(**kw):
+        programs = build_layer_programs(describe_moe(**kw))
+        return {op.channel for op in (*programs.forward.ops, *programs.backward.ops)
+                if op.kind == "comm"}
+
+    assert channels(ranks_per_node=2) == {"intra"}
+    assert channels(ranks_per_node=1) == {"inter"}  # EP=2 across two nodes
+    assert channels(ranks_per_node=2, ep_ranks=(1, 2)) == {"inter"}
+
+
+def test_received_rows_are_a_declared_variable_dimension():
+    programs = build_layer_programs(describe_moe())
+    info = programs.values["dispatch.tokens"]
+    rows, width = info.shape
+    # 16 tokens per rank, each to at most min(topk, local experts) = 2 of my experts, from
+    # 2 ranks
+    assert isinstance(rows, VariableDim) and (rows.low, rows.high) == (0, 64) and width == 64
+    assert info.admits((0, 64)) and info.admits((37, 64)) and info.admits((64, 64))
+    assert not info.admits((65, 64))      # more rows than any routing can deliver
+    assert not info.admits((37, 63))      # the fixed width still has to match
+    assert not info.admits((37,))
+    assert programs.values["dispatch.probs"].shape == (rows,)
+    assert programs.values["permute.tokens"].shape == (32, 64)   # T * k, fixed
+    assert ValueInfo("x", "tensor", (2, 3)).admits((2, 3))
+    assert not ValueInfo("x", "tensor", (2, 3)).admits((2, 4))
+
+
+def test_layer_kinds_of_a_moe_layer_freq_stack():
+    args = parse_megatron_args([*TINY, *MOE_ARGS, "--moe-layer-freq", "[1,0,1,0]"],
+                               world_size=4)
+    kinds = [LayerDescription.from_args(args, layer=i, rank=3).moe for i in range(4)]
+    assert [k is not None for k in kinds] == [True, False, True, False]
+    assert kinds[0].ep_ranks == (2, 3) and kinds[0].num_local_experts == 2
+    dense = build_layer_programs(LayerDescription.from_args(args, layer=1))
+    assert "fc1" in dense.forward.ids and "router" not in dense.forward.ids
+    with pytest.raises(UnsupportedLayerError, match="outside"):
+        LayerDescription.from_args(args, layer=4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(moe_token_dispatcher_type="allgather"), "--moe-token-dispatcher-type alltoall"),
+    (dict(moe_grouped_gemm=True), "--moe-grouped-gemm"),
+    (dict(moe_router_load_balancing_type="sinkhorn"), "aux_loss or none"),
+    (dict(moe_shared_expert_intermediate_size=64), "shared experts"),
+    (dict(moe_expert_capacity_factor=1.0), "token dropping"),
+    (dict(moe_z_loss_coeff=1e-3), "z-loss"),
+])
+def test_unsupported_moe_settings_are_named(change, message):
+    config = core_transformer_config_from_args(parse_megatron_args(TINY))
+    moe = replace(config, num_moe_experts=4, moe_ffn_hidden_size=128,
+                  moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss")
+    check_supported_config(moe)  # the supported configuration passes
+    with pytest.raises(UnsupportedLayerError, match=message):
+        check_supported_config(replace(moe, **change))
+
+
+def test_moe_with_tensor_parallelism_is_refused():
+    with pytest.raises(UnsupportedLayerError, match="tensor-parallel size 1"):
+        replace(describe_moe(), tp_size=2, tp_ranks=(0, 1), num_query_groups=4)
+
+
+def test_analytic_planner_pairs_moe_with_dense_and_moe_layers():
+    from planner.build import make_plan
+    from planner.costs import build_cost_model
+
+    moe = build_layer_programs(describe_moe())
+    dense = build_layer_programs(replace(describe_moe(), moe=None))
+    for fwd, bwd in ((moe, moe), (moe, dense), (dense, moe)):
+        f, b = fwd.forward.dag(), bwd.backward.dag()
+        plan = make_plan(f, b, build_cost_model(f, b, None), pairer="dp")
+        assert sorted(plan.fwd_order) == sorted(fwd.forward.ids)
+        assert sorted(plan.bwd_order) == sorted(bwd.backward.ids)
+        assert plan.speedup >= 1.0

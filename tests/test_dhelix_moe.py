@@ -1,0 +1,128 @@
+"""`--dhelix` with megatron-core's MoE layers keeps Megatron's training semantics: on 2 gloo
+ranks, one per (emulated) node (EP=2 across the nodes, DP=2, TP=1; 4 experts, top-2, the alltoall dispatcher, the auxiliary
+load-balancing loss) a mixed dense/MoE stack (`--moe-layer-freq [1,1,0,1]`: the SI schedule
+pairs MoE with MoE, MoE with dense and dense with MoE layers) gives, step after step, the
+losses, the load-balancing loss of every layer and every gradient of Megatron's own
+no-pipelining schedule from the same seed and data, and every router call routes the same
+tokens to the same experts on both sides (routing maps recorded on Megatron's routers).
+An all-MoE stack is profiled by `dhelix profile` in the same launch and trained from a plan
+made from that profile, with the same checks. One launch (tests/moe_ranks.py
+`moe_parity`), through the plugin's step harness."""
+
+import pytest
+
+from dhelix.harness import run_on_ranks
+from tests.engine_checks import assert_ran_on_the_engine
+from tests.moe_ranks import PROFILE, moe_parity
+from tests.plugin_parity_ranks import ParityCase
+
+pytestmark = pytest.mark.slow  # multi-process
+
+FP32_LOSS = 1e-6
+FP32_GRAD = 2e-7
+FP32_PARAM = 2e-7
+FP32_EVAL = 1e-6
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+       "alltoall", "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type",
+       "aux_loss", "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "192",
+       "--moe-layer-freq", "[1,1,0,1]", "--global-batch-size", "12")
+# every layer MoE: profiled by `dhelix profile` in the same launch, planned from the profile
+ALL_MOE = tuple(w if w != "[1,1,0,1]" else "1" for w in MOE)
+# SwiGLU experts without biases (no FC2-bias term: one probability gradient), RMSNorm,
+# planned by the Wavelet-style round robin
+LLAMA = ("--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm")
+CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
+         "ep2_mixed_llama_round_robin": ParityCase(MOE + LLAMA, ("--dhelix", "--dhelix-pairer",
+                                                                 "round_robin")),
+         "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE))}
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    return run_on_ranks(moe_parity, 2, CASES, STEPS, str(tmp_path_factory.mktemp("moe")),
+                        timeout_s=400, env={"OMP_NUM_THREADS": "1",
+                                            "DHELIX_RANKS_PER_NODE": "1"})
+
+
+@pytest.fixture(scope="module", params=["ep2_mixed_dp", "ep2_mixed_llama_round_robin"])
+def report(launch, request):
+    return [dict(rank[request.param], case=request.param) for rank in launch]
+
+
+@pytest.fixture(scope="module")
+def profiled(launch):
+    return [rank["ep2_all_moe_profiled"] for rank in launch]
+
+
+def test_losses_aux_losses_and_gradients_equal_megatron(report):
+    for entry in report:
+        # the compared gradients include the router and the experts of every MoE layer
+        keys = entry["grad_keys"]
+        assert sum(".router.weight" in k for k in keys) == 3, keys
+        assert sum(".experts." in k and "linear_fc1.weight" in k for k in keys) == 3, keys
+        assert entry["eval_loss_diff"] <= FP32_EVAL
+        assert len(entry["rows"]) == STEPS
+        for row in entry["rows"]:
+            assert row["loss_diff"] <= FP32_LOSS, row
+            assert row["grad_diff"] <= FP32_GRAD, row
+            assert row["param_diff"] <= FP32_PARAM, row
+        for ref, got in zip(entry["aux_ref"], entry["aux"]):
+            assert ref is not None and got is not None
+            # layers 1, 2 and 4 are MoE: each recorded a loss; the dense layer 3 none
+            assert [v > 0 for v in ref] == [True, True, False, True]
+            assert max(abs(a - b) for a, b in zip(ref, got)) <= FP32_LOSS, (ref, got)
+
+
+def test_router_decisions_are_identical(report):
+    for entry in report:
+        assert entry["routing_equal"]
+        assert entry["moe_layers"] == [1, 2, 4]
+        # 3 MoE layers x 3 micro-batches x 2 steps, each call 64 x 2 tokens, top-2
+        assert entry["router_calls"] == 3 * 3 * STEPS
+        assert entry["routed_pairs"] == 3 * 3 * STEPS * 128 * 2
+
+
+def test_moe_layers_ran_as_operators_with_their_all_to_alls_on_lanes(report):
+    for entry in report:
+        # the one-stage SI list with the operator pass engine: 3 micro-batches, 2 SI blocks
+        assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
+        assert all(rank["si_blocks"] == 2 for rank in entry["executed"]["train"])
+        assert entry["moe_fwd_ops"][5:] == [
+            "ln2", "router", "counts.ag", "permute", "dispatch.a2a", "experts.sort",
+            "experts.fc1", "experts.act", "experts.fc2", "experts.unsort", "combine.a2a",
+            "unpermute", "bda2"]
+        assert "experts.fc1.wgrad" in entry["moe_bwd_ops"]
+        # the probabilities' two gradients are summed only when the experts have biases
+        assert ("experts.probs_sum" in entry["moe_bwd_ops"]) == entry["moe_bias"]
+        assert entry["moe_bias"] == ("llama" not in entry["case"])
+        assert "combine.a2a_grad" in entry["moe_bwd_ops"]
+        assert "dispatch.a2a_grad" in entry["moe_bwd_ops"]
+        # one rank per node (DHELIX_RANKS_PER_NODE=1): the EP group spans two nodes, so
+        # the all-to-alls use the inter-node channel, on lanes of the EP group
+        assert entry["lanes"] == [("ep", "inter")]
+        # MoE x MoE, MoE x dense and dense x MoE layer pairs each have their plan
+        assert entry["pair_plans"] == 3, entry["describe"]
+
+
+def test_an_all_moe_stack_profiled_and_planned_from_its_profile(profiled):
+    """`dhelix profile` measures the MoE operators (their cost keys in the profile), and
+    `--dhelix --dhelix-profile` plans from it (one plan: every layer MoE) with the same
+    parity and routing."""
+    for entry in profiled:
+        keys = entry["profile"]["solo_keys"]
+        assert entry["profile"]["complete"] and entry["profile"]["pairs"] > 0
+        for name in ("router.fwd(", "router.bwd(", "permute.fwd(", "expert_linear.fwd(",
+                     "expert_linear.dgrad(", "expert_linear.wgrad(", "expert_gelu.bwd(",
+                     "unpermute.bwd(", "all_to_all(", "all_gather("):
+            assert any(k.startswith(name) for k in keys), (name, keys)
+        assert "costs from profile" in entry["plan_source"], entry["plan_source"]
+        assert entry["pair_plans"] == 0  # identical layers: one plan
+        assert entry["routing_equal"] and entry["moe_layers"] == [1, 2, 3, 4]
+        for row in entry["rows"]:
+            assert row["loss_diff"] <= FP32_LOSS and row["grad_diff"] <= FP32_GRAD, row
+            assert row["param_diff"] <= FP32_PARAM, row
+        for ref, got in zip(entry["aux_ref"], entry["aux"]):
+            assert max(abs(a - b) for a, b in zip(ref, got)) <= FP32_LOSS, (ref, got)
+        assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
