@@ -190,15 +190,17 @@ def op_masks(order: Sequence[str], ops: dict) -> list[int]:
 
 
 def collective_sigma(costs: CostModel, op_id: str, direction: str, other_compute) -> float:
-    """Co-run slowdown of collective `op_id` (of `direction`) with computation: the mean of
-    its measured (or estimated) sigma against the other direction's computations
+    """Co-run slowdown of collective `op_id` (of `direction`) with computation: the median
+    of its measured (or estimated) sigma against the other direction's computations
     `other_compute` (the profile measures pairs across the two strands only), 1.0 when
-    there are none."""
+    there are none. The median, not the mean: a pair of a tiny operator carries its noise
+    divided by the tiny operator's time (sigma = 2 - OEF), and one such entry (sigma 52,
+    an emulated profile at S = 50) made a mean several times every other entry."""
     if direction == "fwd":
         values = [costs.sigma[(op_id, o)] for o in other_compute if (op_id, o) in costs.sigma]
     else:
         values = [costs.sigma[(o, op_id)] for o in other_compute if (o, op_id) in costs.sigma]
-    return float(np.mean(values)) if values else 1.0
+    return float(np.median(values)) if values else 1.0
 
 
 def strand_alone_ms(order: Sequence[str], ops: dict, costs: CostModel, direction: str,

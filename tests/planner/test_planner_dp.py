@@ -164,6 +164,22 @@ def test_a_strand_alone_computes_while_its_collective_is_in_flight():
     assert strand_alone_ms(["g"], fwd.by_id(), costs, "fwd", bwd.by_id()) == pytest.approx(4.0)
 
 
+def test_a_collectives_slowdown_is_not_carried_by_one_noisy_pair():
+    """`collective_sigma`: the median over the other strand's computations, so one pair of
+    a tiny operator measured far off (sigma 2 - OEF with OEF -50) does not set it."""
+    from planner.cosched import collective_sigma
+
+    fwd = _one_op("fwd", "c", "inter", "ar")
+    bwd = OpDAG("bwd", [OpNode("g1", "comp", "compute", (), "gemm", False, "gemm"),
+                        OpNode("g2", "comp", "compute", ("g1",), "wgrad", False, "gemm"),
+                        OpNode("t", "comp", "compute", ("g2",), "tiny", False, "x")])
+    costs = build_cost_model(fwd, bwd, _profile(
+        {"ar": 4.0, "gemm": 4.0, "wgrad": 4.0, "tiny": 0.1},
+        {"ar|gemm": 6.0, "ar|wgrad": 6.0, "ar|tiny": 9.1}))
+    assert costs.sigma[("c", "t")] > 50 and costs.sigma[("c", "g1")] == pytest.approx(1.5)
+    assert collective_sigma(costs, "c", "fwd", ["g1", "g2", "t"]) == pytest.approx(1.5)
+
+
 def test_layer_seam_of_a_plan():
     """The seam pairs the next layer pair's leading forward-only blocks with this pair's
     trailing backward-only blocks; none where a plan starts with backward operators, ends
