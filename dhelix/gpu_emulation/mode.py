@@ -52,6 +52,11 @@ from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 
 # DHelix paper, Table 7: concurrent compute and communication kernels run 20-30% slower on H100.
 H100_OVERLAP_SLOWDOWN = 0.25
+# operators whose tensors are all uint8 and at most this large run for real: RNG states (the
+# CPU generator's is 5056 bytes), which Megatron's RNG tracker clones and restores (a faked
+# clone is garbage that `torch.set_rng_state` refuses: the folded PP=2 model is seeded per
+# stage while it is built under the mode)
+BYTE_STATE_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,11 @@ class EmulationConfig:
     the same S to keep the GPU cluster's compute/communication ratio); `overlap_slowdown`:
     a kernel that runs while a collective is in flight takes (1 + this) x its time;
     `cheap_numel`: operators whose tensors all have at most this many elements run for real
-    (8192: above the CPU generator's state, 5056 bytes, which Megatron's RNG tracker clones
-    and restores: a faked clone is garbage that `torch.set_rng_state` refuses)."""
+    (and operators on byte tensors of at most `BYTE_STATE_NUMEL`: a generator's state)."""
 
     time_scale: float = 1.0
     overlap_slowdown: float = H100_OVERLAP_SLOWDOWN
-    cheap_numel: int = 8192
+    cheap_numel: int = 4096
 
     def __post_init__(self):
         if not self.time_scale > 0:
@@ -204,7 +208,8 @@ class GpuEmulationMode(TorchDispatchMode):
                 self.synchronize()
             return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if all(t.numel() <= self.config.cheap_numel for t in tensors):
+        if all(t.numel() <= self.config.cheap_numel for t in tensors) or all(
+                t.dtype == torch.uint8 and t.numel() <= BYTE_STATE_NUMEL for t in tensors):
             out = func(*args, **kwargs)
         elif is_inplace(func):
             out = self._mutated(func, args, kwargs)

@@ -149,10 +149,12 @@ def test_dispatch_rules_in_one_process():
         f = a.to(device="cpu", dtype=torch.float64)  # _to_copy naming its device: faked
         z = torch.zeros(256, 128)     # a filling factory above cheap_numel: faked, charged
         z_small = torch.zeros(6)      # at most cheap_numel: real zeros
+        rng = torch.get_rng_state().clone()  # a byte state (5056 elements): cloned for real
     assert y.shape == (256, 64) and y.dtype == a.dtype and y.device == a.device
     assert f.dtype == torch.float64 and f.shape == a.shape and f.device == a.device
     assert z.shape == (256, 128) and torch.equal(z_small, torch.zeros(6))
     assert mode.report().ran_for_real == 0
+    torch.set_rng_state(rng)  # a faked clone would be garbage: "Invalid mt19937 state"
     assert mode.report().by_op["zeros"].count == 1 and mode.report().by_op["zeros"].nbytes == z.nbytes
     assert torch.equal(w, before) and w._version == 1
     assert s == 30.0 and v.data_ptr() == a.data_ptr()
