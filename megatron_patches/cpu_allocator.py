@@ -12,12 +12,19 @@ keeping what it got (`keep_freed_memory`) both took under 5,000 and the gap fell
 The setting is process-wide and applies to every schedule alike (the benchmark builds
 Megatron and every dhelix system in one process). Blocks above 32 MiB (glibc's largest
 mmap threshold) are still mapped and unmapped per allocation.
+
+A process started with glibc's thresholds set in its environment (`MALLOC_MMAP_THRESHOLD_`,
+`MALLOC_TRIM_THRESHOLD_`) keeps them: the GPU emulation's benchmark sets a 1 MiB mmap
+threshold so that never-written kernel outputs are fresh, untouched pages; serving them
+from a heap that keeps every page once written made 4 ranks of 2 Llama-8B layers each grow
+past 5 GB resident within minutes (the heap's resident part grew every step).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -25,9 +32,16 @@ MMAP_THRESHOLD_BYTES = 32 * 2**20   # glibc's maximum (DEFAULT_MMAP_THRESHOLD_MA
 TRIM_THRESHOLD_BYTES = 2**31 - 1    # give heap memory back only past 2 GiB free at its top
 
 
+ENVIRONMENT_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
 def keep_freed_memory() -> bool:
     """Tell glibc to serve allocations up to 32 MiB from its heap and trim it only past 2 GiB free.
-    Returns True when applied; False where the C library has no `mallopt` (not glibc)."""
+    Returns True when applied; False where the C library has no `mallopt` (not glibc) or
+    the process's environment sets glibc's thresholds itself (`ENVIRONMENT_SETTINGS`:
+    those are kept)."""
+    if any(name in os.environ for name in ENVIRONMENT_SETTINGS):
+        return False
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt

@@ -90,3 +90,37 @@ def test_local_norm_is_replaced_on_every_machine(monkeypatch):
     assert backends.LNImpl is SequenceParallelTorchNorm
     assert gpt_layer_specs.LNImpl is SequenceParallelTorchNorm
     assert transformer_block.LayerNormImpl is OtherNorm
+
+
+_WHERE_A_16_MIB_TENSOR_LIVES = """
+import torch
+from megatron_patches.cpu_allocator import keep_freed_memory
+applied = keep_freed_memory()
+t = torch.empty(1 << 22)
+where = "anonymous mapping"
+for line in open("/proc/self/maps"):
+    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+    if lo <= t.data_ptr() < hi and line.split()[-1] == "[heap]":
+        where = "heap"
+print(applied, where)
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="Linux only")
+def test_freed_memory_kept_unless_the_environment_sets_glibcs_thresholds():
+    """`keep_freed_memory`: a 16 MiB tensor comes from glibc's heap (kept across steps);
+    with `MALLOC_MMAP_THRESHOLD_` in the environment (the GPU emulation's benchmark sets
+    it) the setting is left alone and the tensor is its own fresh mapping."""
+    import os
+    import subprocess
+    import sys
+
+    def run(extra_env):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", _WHERE_A_16_MIB_TENSOR_LIVES],
+                             env={**env, **extra_env}, capture_output=True, text=True,
+                             check=True, timeout=120)
+        return out.stdout.split()[-3:]
+
+    assert run({}) == ["True", "heap"]
+    assert run({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}) == ["False", "anonymous", "mapping"]
