@@ -12,6 +12,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,25 @@ def make_plan_file(directory: Path, megatron_args: list) -> Path:
     return directory / "plan.json"
 
 
+# Megatron arguments of the module's plan files: the TP=2 matrix's, and model A of
+# `test_advice_for_a_plan_of_another_model_makes_an_accepted_plan`
+PLANNED = {"tp2": [*TINY, *TP2, "--optimizer", "sgd", "--train-iters", "1"],
+           "a": [*TINY, "--train-iters", "1"]}
+
+
 @pytest.fixture(scope="module")
-def plan_file_tp2(tmp_path_factory):
-    return make_plan_file(tmp_path_factory.mktemp("plan") / "dags",
-                          [*TINY, *TP2, "--optimizer", "sgd", "--train-iters", "1"])
+def plan_files(tmp_path_factory):
+    """{name: plan path} for `PLANNED`, each made by `make_plan_file` in a directory of its
+    own; the two single-process command chains run side by side (one per core)."""
+    with ThreadPoolExecutor(max_workers=len(PLANNED)) as pool:
+        made = {name: pool.submit(make_plan_file, tmp_path_factory.mktemp(f"plan_{name}") /
+                                  "dags", argv) for name, argv in PLANNED.items()}
+        return {name: future.result() for name, future in made.items()}
+
+
+@pytest.fixture(scope="module")
+def plan_file_tp2(plan_files):
+    return plan_files["tp2"]
 
 
 def _launch(world, cases, refusals=None):
@@ -183,11 +199,13 @@ def _train_one_rank(cwd: Path, megatron_args: list) -> subprocess.CompletedProce
 
 
 @pytest.mark.slow
-def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
-    """Plan for model A (hidden 128), train model B (hidden 256) with it: refused, with a
-    `dhelix plan` command. Run that command literally, then the same training command: the
-    new plan is accepted and used (the advice must not reuse A's operator DAGs)."""
-    plan = make_plan_file(tmp_path / "dags_a", [*TINY, "--train-iters", "1"])
+def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(plan_files):
+    """Plan for model A (hidden 128; `plan_files`, made as `make_plan_file` documents), train
+    model B (hidden 256) with it: refused, with a `dhelix plan` command. Run that command
+    literally, then the same training command: the new plan is accepted and used (the
+    advice must not reuse A's operator DAGs)."""
+    plan = plan_files["a"]
+    tmp_path = plan.parent.parent  # the commands run where model A's were made
     train_b = [*TINY, "--hidden-size", "256", "--train-iters", "1", "--dhelix",
                "--dhelix-plan", str(plan)]
     refused = _train_one_rank(tmp_path, train_b)
@@ -197,7 +215,7 @@ def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
     assert "model: plan has 'gpt-h128" in refused.stderr
     words = shlex.split(advice[0])
     assert words[:2] == ["dhelix", "plan"]
-    assert str(tmp_path / "dags_a" / "fwd.json") not in words  # not model A's DAGs
+    assert str(plan.parent / "fwd.json") not in words  # not model A's DAGs
     subprocess.run([sys.executable, "-m", "dhelix", *words[1:]], cwd=tmp_path, check=True,
                    capture_output=True, timeout=120)
     accepted = _train_one_rank(tmp_path, train_b)
