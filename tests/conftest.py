@@ -15,6 +15,11 @@ torchrun jobs their own environment and keeps the compiled warm-up: there `--dhe
 PP=2, whose folded model replays that warm-up's draws, must log stock Megatron's losses.
 With a GPU the fusions are on and compiled, as in a user's run, so nothing is set.
 
+When a selected test is marked `slow`, `dhelix.harness`'s rank server (the forkserver its
+ranks are forked from) starts as soon as the tests are collected (`start_rank_server`), so
+its imports (torch, megatron-core: ~6 s of one core) run beside the session's first tests,
+most of them single-process, not inside the first multi-rank launch.
+
 Tests marked `last` run after every other selected test, in their collected order
 (`pytest_collection_modifyitems`): each reads the result of a background job that a
 session-scoped fixture started with its module's first test and that spends most of its
@@ -34,3 +39,13 @@ def pytest_collection_modifyitems(config, items):
     last = [item for item in items if item.get_closest_marker("last") is not None]
     if last:
         items[:] = [item for item in items if item.get_closest_marker("last") is None] + last
+
+
+def pytest_collection_finish(session):
+    """Start the rank server early when a selected test is marked slow (module docstring)."""
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("slow") is not None for item in session.items):
+        from dhelix.harness import start_rank_server
+
+        start_rank_server()
