@@ -30,6 +30,8 @@ wait instead of after it.
 
 import os
 
+import pytest
+
 if not os.path.exists("/dev/nvidiactl"):  # `dhelix.harness`'s test for a GPU
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
@@ -41,11 +43,14 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item.get_closest_marker("last") is None] + last
 
 
-def pytest_collection_finish(session):
-    """Start the rank server early when a selected test is marked slow (module docstring)."""
-    if session.config.option.collectonly:
-        return
-    if any(item.get_closest_marker("slow") is not None for item in session.items):
+@pytest.fixture(scope="session", autouse=True)
+def rank_server(request):
+    """Start the rank server when the session's first test is set up, if a selected test is
+    marked slow (module docstring). Started inside a test, as before, the server and every
+    rank forked from it write where pytest's capture points file descriptors 1 and 2, so a
+    rank's output shows in the report of the test that was running (started in a
+    collection hook they went to the terminal)."""
+    if any(item.get_closest_marker("slow") is not None for item in request.session.items):
         from dhelix.harness import start_rank_server
 
         start_rank_server()
