@@ -15,6 +15,11 @@ torchrun jobs their own environment and keeps the compiled warm-up: there `--dhe
 PP=2, whose folded model replays that warm-up's draws, must log stock Megatron's losses.
 With a GPU the fusions are on and compiled, as in a user's run, so nothing is set.
 
+When a selected test is marked `slow`, `dhelix.harness`'s rank server (the forkserver its
+ranks are forked from) starts as soon as the tests are collected (`start_rank_server`), so
+its imports (torch, megatron-core: ~6 s of one core) run beside the session's first tests,
+most of them single-process, not inside the first multi-rank launch.
+
 Tests marked `last` run after every other selected test, in their collected order
 (`pytest_collection_modifyitems`): each reads the result of a background job that a
 session-scoped fixture started with its module's first test and that spends most of its
@@ -25,6 +30,8 @@ wait instead of after it.
 
 import os
 
+import pytest
+
 if not os.path.exists("/dev/nvidiactl"):  # `dhelix.harness`'s test for a GPU
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
@@ -34,3 +41,16 @@ def pytest_collection_modifyitems(config, items):
     last = [item for item in items if item.get_closest_marker("last") is not None]
     if last:
         items[:] = [item for item in items if item.get_closest_marker("last") is None] + last
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_server(request):
+    """Start the rank server when the session's first test is set up, if a selected test is
+    marked slow (module docstring). Started inside a test, as before, the server and every
+    rank forked from it write where pytest's capture points file descriptors 1 and 2, so a
+    rank's output shows in the report of the test that was running (started in a
+    collection hook they went to the terminal)."""
+    if any(item.get_closest_marker("slow") is not None for item in request.session.items):
+        from dhelix.harness import start_rank_server
+
+        start_rank_server()

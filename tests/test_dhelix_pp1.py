@@ -12,6 +12,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,26 @@ def make_plan_file(directory: Path, megatron_args: list) -> Path:
     return directory / "plan.json"
 
 
+ADVICE_TEST = "test_advice_for_a_plan_of_another_model_makes_an_accepted_plan"
+
+
 @pytest.fixture(scope="module")
-def plan_file_tp2(tmp_path_factory):
+def advice(request, tmp_path_factory):
+    """`_advice_flow` (what `ADVICE_TEST` checks) started in a thread when the first test
+    that asks for it starts, if `ADVICE_TEST` is selected (else None): its future. The TP=2
+    plan file's fixture asks first: the flow is a chain of single-process commands (dhelix
+    ops, dhelix plan, one-rank training), so it runs on the core that chain of the TP=2 plan
+    leaves free, and beside the module's launches, instead of after them."""
+    if not any(item.name == ADVICE_TEST for item in request.session.items):
+        yield None
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(_advice_flow, tmp_path_factory.mktemp("advice"))
+
+
+@pytest.fixture(scope="module")
+def plan_file_tp2(tmp_path_factory, advice):
+    # (`advice` is asked for only to start it beside this fixture's commands)
     return make_plan_file(tmp_path_factory.mktemp("plan") / "dags",
                           [*TINY, *TP2, "--optimizer", "sgd", "--train-iters", "1"])
 
@@ -182,25 +201,47 @@ def _train_one_rank(cwd: Path, megatron_args: list) -> subprocess.CompletedProce
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.slow
-def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(tmp_path):
-    """Plan for model A (hidden 128), train model B (hidden 256) with it: refused, with a
-    `dhelix plan` command. Run that command literally, then the same training command: the
-    new plan is accepted and used (the advice must not reuse A's operator DAGs)."""
-    plan = make_plan_file(tmp_path / "dags_a", [*TINY, "--train-iters", "1"])
+def _advice_flow(directory: Path) -> dict:
+    """The commands `ADVICE_TEST` checks, in order, run in `directory`: the plan for model A
+    (`make_plan_file`), model B trained with it ("refused"), the `dhelix plan` command its
+    error printed ("advice": every such command; "words": the one, split) run literally
+    ("regenerated"), then the same training command again ("accepted"). Stops where a step
+    leaves nothing to run next (the test's assertions say why)."""
+    plan = make_plan_file(directory / "dags_a", [*TINY, "--train-iters", "1"])
     train_b = [*TINY, "--hidden-size", "256", "--train-iters", "1", "--dhelix",
                "--dhelix-plan", str(plan)]
-    refused = _train_one_rank(tmp_path, train_b)
+    flow = {"plan": plan, "refused": _train_one_rank(directory, train_b)}
+    flow["advice"] = re.findall(r"regenerate it with `([^`]*)`", flow["refused"].stderr)
+    if len(flow["advice"]) != 1:
+        return flow
+    flow["words"] = shlex.split(flow["advice"][0])
+    if flow["words"][:2] != ["dhelix", "plan"]:
+        return flow
+    flow["regenerated"] = subprocess.run([sys.executable, "-m", "dhelix", *flow["words"][1:]],
+                                         cwd=directory, capture_output=True, text=True,
+                                         timeout=120)
+    if flow["regenerated"].returncode == 0:
+        flow["accepted"] = _train_one_rank(directory, train_b)
+    return flow
+
+
+@pytest.mark.slow
+def test_advice_for_a_plan_of_another_model_makes_an_accepted_plan(advice):
+    """Plan for model A (hidden 128), train model B (hidden 256) with it: refused, with a
+    `dhelix plan` command. Run that command literally, then the same training command: the
+    new plan is accepted and used (the advice must not reuse A's operator DAGs). The
+    commands ran in the background (`advice`); the checks are in their order."""
+    flow = advice.result()
+    plan, refused = flow["plan"], flow["refused"]
     assert refused.returncode == 2, refused.stderr[-3000:]
-    advice = re.findall(r"regenerate it with `([^`]*)`", refused.stderr)
-    assert len(advice) == 1, refused.stderr[-3000:]
+    assert len(flow["advice"]) == 1, refused.stderr[-3000:]
     assert "model: plan has 'gpt-h128" in refused.stderr
-    words = shlex.split(advice[0])
+    words = flow["words"]
     assert words[:2] == ["dhelix", "plan"]
-    assert str(tmp_path / "dags_a" / "fwd.json") not in words  # not model A's DAGs
-    subprocess.run([sys.executable, "-m", "dhelix", *words[1:]], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=120)
-    accepted = _train_one_rank(tmp_path, train_b)
+    assert str(plan.parent / "fwd.json") not in words  # not model A's DAGs
+    regenerated = flow["regenerated"]
+    assert regenerated.returncode == 0, regenerated.stderr[-3000:]
+    accepted = flow["accepted"]
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert f"dhelix: SI schedule, plan file {plan}" in accepted.stdout
 

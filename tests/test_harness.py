@@ -22,7 +22,7 @@ def _alive(pid: int) -> bool:
     return not (status.exists() and "State:\tZ" in status.read_text())
 
 
-@pytest.mark.slow  # starts the forkserver (torch, megatron-core imports): ~7 s
+@pytest.mark.slow  # starts a forkserver (torch imported) and a rank in a subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses PR_SET_PDEATHSIG")
 def test_ranks_die_with_a_killed_parent(tmp_path):
     pid_file = tmp_path / "rank.pid"

@@ -30,16 +30,21 @@ def _dhelix_train(*args, timeout=240):
     return _run([sys.executable, "-m", "dhelix", "train", *args], timeout=timeout)
 
 
-def _dhelix_train_at_once(argvs, timeout=120):
-    """`_dhelix_train` of every command line in `argvs`, started together (independent
-    processes: on the 2-core machine two import Megatron-LM at once); their
-    `CompletedProcess`es in order."""
-    procs = [subprocess.Popen([sys.executable, "-m", "dhelix", "train", *argv], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for argv in argvs]
+def _start_dhelix_train(argvs) -> list:
+    """`dhelix train` of every command line in `argvs`, started together (independent
+    processes: on the 2-core machine two import Megatron-LM at once); collect them with
+    `_finished`."""
+    return [subprocess.Popen([sys.executable, "-m", "dhelix", "train", *argv], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for argv in argvs]
+
+
+def _finished(procs, timeout=120) -> list:
+    """The `CompletedProcess`es of `_start_dhelix_train`'s processes, in order (any still
+    running after `timeout` is killed)."""
     done = []
     try:
-        for argv, proc in zip(argvs, procs):
+        for proc in procs:
             out, err = proc.communicate(timeout=timeout)
             done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     finally:
@@ -58,32 +63,47 @@ def _errors(text):
     return [ln for ln in _lines(text) if ln.startswith("error: ")]
 
 
-@pytest.mark.slow  # six `dhelix train` processes, five importing Megatron-LM
-def test_bad_input_is_refused_before_torchrun_starts(tmp_path):
-    cases = [
+BAD_INPUT_TEST = "test_bad_input_is_refused_before_torchrun_starts"
+
+
+def _bad_input_cases(workdir):
+    """(launcher and Megatron arguments, the one error line) of what `dhelix train`
+    refuses before torchrun starts."""
+    return [
         (["--nproc-per-node", "3", "--tensor-model-parallel-size", "2"],
          "error: world size 3 is not divisible by --tensor-model-parallel-size 2 x "
          "--pipeline-model-parallel-size 1; launch a multiple of 2 processes"),
         (["--nproc-per-node", "0"], "error: --nproc-per-node must be >= 1, got 0"),
         (["--nproc-per-node", "2", "--no-such-flag"],
          f"error: unrecognized arguments: --no-such-flag; {HELP}"),
-        (["--nproc-per-node", "2", "--dhelix-plan", str(tmp_path / "none.json"), "--dhelix"],
-         f"error: --dhelix-plan {tmp_path / 'none.json'}: no such file; check the path"),
+        (["--nproc-per-node", "2", "--dhelix-plan", str(workdir / "none.json"), "--dhelix"],
+         f"error: --dhelix-plan {workdir / 'none.json'}: no such file; check the path"),
         (["--nproc-per-node", "2", "--dhelix", "--fp16"],
          "error: --dhelix does not support --fp16 (its schedules do no fp16 loss scaling); "
          "use --bf16 or fp32"),
     ]
-    *refused, bad_preset = _dhelix_train_at_once(
-        [[*argv, *PLUGIN_TINY] for argv, _ in cases]
-        + [["--nproc-per-node", "2", "--preset", "nope", "--mock-data"]])
-    for (argv, line), proc in zip(cases, refused):
-        # torchrun, had it started, would print its banner and the ranks' output on stdout
-        assert (proc.returncode, _errors(proc.stderr), proc.stdout) == (2, [line], ""), \
-            (argv, proc.stderr[-2000:])
-        assert _lines(proc.stderr)[-1] == line
-    assert (bad_preset.returncode, _lines(bad_preset.stderr), bad_preset.stdout) == (2, [
-        "error: --preset: no preset 'nope' (known: llama8b, tiny; or give a JSON file path)"],
-        ""), bad_preset.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def bad_input(request, tmp_path_factory):
+    """The six `dhelix train` processes of `BAD_INPUT_TEST` (the cases of `_bad_input_cases`,
+    then an unknown preset), started when the first test that asks for them starts, if
+    `BAD_INPUT_TEST` is selected (else None): (cases, processes). The good run's test asks
+    first, so their Megatron imports run beside that test's single-process stretches
+    (`dhelix train`'s own checks, torchrun's start) instead of after it."""
+    if not any(item.name == BAD_INPUT_TEST for item in request.session.items):
+        yield None
+        return
+    cases = _bad_input_cases(tmp_path_factory.mktemp("bad_input"))
+    procs = _start_dhelix_train([[*argv, *PLUGIN_TINY] for argv, _ in cases]
+                                + [["--nproc-per-node", "2", "--preset", "nope", "--mock-data"]])
+    try:
+        yield cases, procs
+    finally:
+        for proc in procs:  # not collected (the test was not reached or failed first)
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_preset_expands_to_megatron_arguments():
@@ -134,7 +154,8 @@ def test_unusable_preset_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path):
+def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path, bad_input):
+    # (`bad_input` is asked for only to start those processes beside this test's runs)
     ckpt = tmp_path / "ckpt"
     good = _dhelix_train("--nproc-per-node", "2", *PLUGIN_TINY, "--save", str(ckpt),
                          "--save-interval", "1", "--dhelix")
@@ -157,3 +178,17 @@ def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path):
         "(its bytes changed since the save); nothing was loaded; no earlier iteration is "
         f"saved under {ckpt}; start without --load"), lines[-5:]
     assert sum(ln.startswith("error: ") for ln in lines) == 1
+
+
+@pytest.mark.slow  # six `dhelix train` processes, five importing Megatron-LM
+def test_bad_input_is_refused_before_torchrun_starts(bad_input):
+    cases, procs = bad_input
+    *refused, bad_preset = _finished(procs)
+    for (argv, line), proc in zip(cases, refused):
+        # torchrun, had it started, would print its banner and the ranks' output on stdout
+        assert (proc.returncode, _errors(proc.stderr), proc.stdout) == (2, [line], ""), \
+            (argv, proc.stderr[-2000:])
+        assert _lines(proc.stderr)[-1] == line
+    assert (bad_preset.returncode, _lines(bad_preset.stderr), bad_preset.stdout) == (2, [
+        "error: --preset: no preset 'nope' (known: llama8b, tiny; or give a JSON file path)"],
+        ""), bad_preset.stderr[-2000:]
