@@ -16,7 +16,7 @@ PP=2, whose folded model replays that warm-up's draws, must log stock Megatron's
 With a GPU the fusions are on and compiled, as in a user's run, so nothing is set.
 
 When a selected test is marked `slow`, `dhelix.harness`'s rank server (the forkserver its
-ranks are forked from) starts as soon as the tests are collected (`start_rank_server`), so
+ranks are forked from) starts with the session's first test (`start_rank_server`), so
 its imports (torch, megatron-core: ~6 s of one core) run beside the session's first tests,
 most of them single-process, not inside the first multi-rank launch.
 
