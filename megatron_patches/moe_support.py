@@ -20,8 +20,9 @@ def balancing_type(config):
 _UNSUPPORTED_FLAGS = (
     ("moe_grouped_gemm", "--moe-grouped-gemm (the operators run SequentialMLP's local "
                          "experts; drop it)"),
-    ("moe_shared_expert_intermediate_size", "shared experts "
-                                            "(--moe-shared-expert-intermediate-size)"),
+    ("moe_shared_expert_gate", "the shared expert's gate (--moe-shared-expert-gate)"),
+    ("use_grouped_gemm_for_shared_expert", "--use-grouped-gemm-for-shared-expert"),
+    ("moe_shared_expert_glu_interleave_size", "--moe-shared-expert-glu-interleave-size"),
     ("moe_expert_capacity_factor", "token dropping (--moe-expert-capacity-factor)"),
     ("moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity"),
     ("moe_router_padding_for_quantization", "router padding for quantization"),
