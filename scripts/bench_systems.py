@@ -367,7 +367,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="a,a2,b,c",
-                        help="comma-separated: a, a2, b, c, d, e (default a,a2,b,c)")
+                        help="comma-separated: a, a2, b, c, d, e, e2 (default a,a2,b,c)")
     parser.add_argument("--systems", default=None,
                         help=f"comma-separated subset (default all: "
                              f"{', '.join(SYSTEM_NAMES)})")

@@ -38,6 +38,9 @@ def test_moe_configuration_rows():
     for name in ("megatron", "commfree", "ops_sequential", "wavelet", "dhelix"):
         assert runs[name].unavailable is None, (name, runs[name].unavailable)
     assert "--expert-model-parallel-size" in CONFIGS["e"].parallel_args()
+    runs = _runs("e2")  # TP=2 with SP beside EP=2
+    for name in ("megatron", "ops_sequential", "wavelet", "dhelix"):
+        assert runs[name].unavailable is None, (name, runs[name].unavailable)
 
 
 def test_dhelix_row_takes_the_profile_or_says_it_is_analytic(tmp_path):

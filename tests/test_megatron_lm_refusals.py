@@ -29,13 +29,22 @@ REFUSED = {
     "moe grouped gemm": (MOE + ["--moe-grouped-gemm"], "--moe-grouped-gemm"),
     "moe expert tensor parallel": (MOE + ["--expert-tensor-parallel-size", "2"],
                                    "--expert-tensor-parallel-size"),
-    "moe with tensor parallel": (MOE + ["--tensor-model-parallel-size", "2"],
-                                 "--tensor-model-parallel-size 1"),
+    "moe with tensor parallel, no SP": (MOE + ["--tensor-model-parallel-size", "2"],
+                                        "--sequence-parallel"),
+    # Megatron's default expert TP is the TP size: TP=2 needs an explicit expert TP of 1
+    "moe with tensor parallel, expert TP 2": (MOE + ["--tensor-model-parallel-size", "2",
+                                                     "--sequence-parallel"],
+                                              "--expert-tensor-parallel-size 1"),
     "moe with pipelining": (MOE + PP2, "--pipeline-model-parallel-size 1"),
     "moe sinkhorn balancing": (MOE + ["--moe-router-load-balancing-type", "sinkhorn"],
                                "aux_loss or none"),
     "moe shared expert gate": (MOE + ["--moe-shared-expert-intermediate-size", "64",
                                       "--moe-shared-expert-gate"], "--moe-shared-expert-gate"),
+    "moe shared experts with TP": (MOE + ["--moe-shared-expert-intermediate-size", "64",
+                                          "--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel",
+                                          "--expert-tensor-parallel-size", "1"],
+                                   "--tensor-model-parallel-size 1 only"),
     "moe domino": (MOE + ["--dhelix-pairer", "domino"], "--dhelix-pairer domino"),
     "context parallel": (["--context-parallel-size", "2"], "--context-parallel-size"),
     "overlap grad reduce with PP": (PP2 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
@@ -114,14 +123,18 @@ def test_dhelix_rules_checked_on_the_validated_run(name, monkeypatch):
     assert current_run().options.enabled is False
 
 
-def test_supported_moe_is_not_refused(monkeypatch):
-    """EP=2 (TP=1) with the alltoall dispatcher and the aux loss, in a mixed dense/MoE stack,
-    passes the `--dhelix` argument checks (tests/test_megatron_lm_moe.py trains it)."""
+@pytest.mark.parametrize("parallel", [[], ["--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel",
+                                          "--expert-tensor-parallel-size", "1"]])
+def test_supported_moe_is_not_refused(monkeypatch, parallel):
+    """EP=2 (TP=1, or TP=2 with SP and expert TP 1) with the alltoall dispatcher and the aux
+    loss, in a mixed dense/MoE stack, passes the `--dhelix` argument checks
+    (tests/test_megatron_lm_moe.py trains it, tests/test_dhelix_moe.py checks its parity)."""
     monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", *MOE, "--moe-layer-freq",
-                               "[1,0,1,0]"], validate=True)
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", *MOE, *parallel,
+                               "--moe-layer-freq", "[1,0,1,0]"], validate=True)
     assert code is None, err
 
 

@@ -193,6 +193,14 @@ CONFIGS = {
     "e": Config("e", 2, 1, tp=1, pp=1,
                 description="2 nodes x 1 rank, EP=2 across nodes, MoE top-2 of 4 experts",
                 extra_args=(*MOE_ARGS, "--expert-model-parallel-size", "2")),
+    # (e) with TP=2 (sequence parallel, expert TP 1) beside EP=2: 4 nodes x 1 rank so the TP
+    # collectives and the all-to-alls both cross shaped links (Megatron puts an EP group's
+    # ranks next to each other when expert TP is 1, so on 2 x 2 both would stay in a node)
+    "e2": Config("e2", 4, 1, tp=2, pp=1,
+                 description="4 nodes x 1 rank, TP=2 (SP) and EP=2 across nodes, MoE top-2 of "
+                             "4 experts",
+                 extra_args=(*MOE_ARGS, "--expert-model-parallel-size", "2",
+                             "--sequence-parallel", "--expert-tensor-parallel-size", "1")),
 }
 
 

@@ -5,8 +5,9 @@ Supported: top-k routing by megatron-core's `TopKRouter` (softmax or sigmoid sco
 the auxiliary load-balancing loss `aux_loss` or no balancing loss), the all-to-all token
 dispatcher (dropless: no capacity factor), local experts run by `SequentialMLP` (the local
 spec without `--moe-grouped-gemm`), a shared expert without its gate
-(`--moe-shared-expert-intermediate-size`), expert tensor parallelism 1 and tensor parallelism 1
-(`megatron_patches.moe_support`, which the `--dhelix` argument checks share). Everything
+(`--moe-shared-expert-intermediate-size`), expert tensor parallelism 1, and tensor parallelism 1
+or larger with sequence parallelism (each TP rank routes its own sequence shard;
+`megatron_patches.moe_support`, which the `--dhelix` argument checks share). Everything
 else raises `UnsupportedLayerError` naming the setting.
 """
 
