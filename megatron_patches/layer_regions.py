@@ -93,10 +93,11 @@ def mlp_activation(mlp, take_fc1_output: Callable[[], torch.Tensor]):
     """Megatron's MLP forward from FC1's GEMM output (bias not yet added) to the activation
     output `[s, b, ffn_hidden_size / tp]`. `take_fc1_output()` hands the FC1 output over
     (the caller keeps no reference), so it is freed right after the bias add, as in
-    Megatron; `MLP.forward` itself receives None for its input."""
+    Megatron; `MLP.forward` itself receives None for its input. Also an MoE layer's
+    `SharedExpertMLP` (without its gate), whose forward returns the output alone."""
     with _bypassed(mlp, linear_fc1=take_fc1_output, linear_fc2=None):
-        output, _ = mlp(None)
-    return output
+        result = mlp(None)
+    return result[0] if isinstance(result, tuple) else result
 
 
 def expert_activation(mlp, take_fc1_output: Callable[[], torch.Tensor],

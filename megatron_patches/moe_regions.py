@@ -220,7 +220,7 @@ def is_moe_layer(layer) -> bool:
 def check_supported_moe_layer(layer) -> list:
     """Sentences naming what the MoE operators do not implement in `layer`'s MLP (empty:
     supported): megatron-core's MoELayer with a TopKRouter, the alltoall dispatcher and
-    SequentialMLP experts, no shared experts."""
+    SequentialMLP experts, shared experts as `check_supported_shared_expert` allows."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.router import TopKRouter
@@ -247,7 +247,31 @@ def check_supported_moe_layer(layer) -> list:
                 problems.append(f"local expert {index}'s linears must be Column/RowParallelLinear "
                                 "that skip their bias add (the local spec)")
     if mlp.shared_experts is not None:
-        problems.append("shared experts")
+        problems.extend(check_supported_shared_expert(mlp.shared_experts))
+    return problems
+
+
+def check_supported_shared_expert(shared) -> list:
+    """Sentences naming what the shared-expert operators (`dhelix.ops.moe_shared_program`)
+    do not implement in an MoELayer's `shared_experts` (empty: supported): megatron-core's
+    SharedExpertMLP without its gate or overlap, whose linears are Column/RowParallelLinear
+    without biases that skip their bias add (the dense MLP's layout)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    if type(shared) is not SharedExpertMLP:
+        return [f"shared experts {type(shared).__name__} (SharedExpertMLP only)"]
+    problems = []
+    if shared.use_shared_expert_gate:
+        problems.append("the shared expert's gate (--moe-shared-expert-gate)")
+    if shared.config.moe_shared_expert_overlap:
+        problems.append("--moe-shared-expert-overlap")
+    fc1, fc2 = shared.linear_fc1, shared.linear_fc2
+    if not (type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear
+            and fc1.skip_bias_add and fc2.skip_bias_add and fc1.bias is None
+            and fc2.bias is None and not fc1.gather_output and fc2.input_is_parallel):
+        problems.append("the shared expert's linears must be Column/RowParallelLinear without "
+                        "biases (the local spec)")
     return problems
 
 

@@ -20,8 +20,9 @@ def balancing_type(config):
 _UNSUPPORTED_FLAGS = (
     ("moe_grouped_gemm", "--moe-grouped-gemm (the operators run SequentialMLP's local "
                          "experts; drop it)"),
-    ("moe_shared_expert_intermediate_size", "shared experts "
-                                            "(--moe-shared-expert-intermediate-size)"),
+    ("moe_shared_expert_gate", "the shared expert's gate (--moe-shared-expert-gate)"),
+    ("use_grouped_gemm_for_shared_expert", "--use-grouped-gemm-for-shared-expert"),
+    ("moe_shared_expert_glu_interleave_size", "--moe-shared-expert-glu-interleave-size"),
     ("moe_expert_capacity_factor", "token dropping (--moe-expert-capacity-factor)"),
     ("moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity"),
     ("moe_router_padding_for_quantization", "router padding for quantization"),
@@ -65,6 +66,9 @@ def check_supported_moe(config) -> list:
         problems.append(f"expert tensor parallelism {etp} is not supported (Megatron defaults "
                         "--expert-tensor-parallel-size to the tensor-parallel size); use "
                         "--expert-tensor-parallel-size 1")
+    if tp > 1 and getattr(config, "moe_shared_expert_intermediate_size", None):
+        problems.append("shared experts (--moe-shared-expert-intermediate-size) are supported "
+                        "by the MoE operators at --tensor-model-parallel-size 1 only")
     for name, text in _UNSUPPORTED_FLAGS:
         if getattr(config, name, None):
             problems.append(f"{text} is not supported by the MoE operators")

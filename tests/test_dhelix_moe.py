@@ -1,6 +1,6 @@
 """`--dhelix` with megatron-core's MoE layers keeps Megatron's training semantics: on 2 gloo
 ranks, one per (emulated) node (EP=2 across the nodes, DP=2, TP=1; 4 experts, top-2, the alltoall dispatcher, the auxiliary
-load-balancing loss) a mixed dense/MoE stack (`--moe-layer-freq [1,1,0,1]`: the SI schedule
+load-balancing loss; also with a shared expert) a mixed dense/MoE stack (`--moe-layer-freq [1,1,0,1]`: the SI schedule
 pairs MoE with MoE, MoE with dense and dense with MoE layers) gives, step after step, the
 losses, the load-balancing loss of every layer and every gradient of Megatron's own
 no-pipelining schedule from the same seed and data, and every router call routes the same
@@ -32,7 +32,10 @@ ALL_MOE = tuple(w if w != "[1,1,0,1]" else "1" for w in MOE)
 # SwiGLU experts without biases (no FC2-bias term: one probability gradient), RMSNorm,
 # planned by the Wavelet-style round robin
 LLAMA = ("--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm")
+# a shared expert beside the routed ones (Megatron's shared experts have no biases)
+SHARED = ("--disable-bias-linear", "--moe-shared-expert-intermediate-size", "96")
 CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
+         "ep2_mixed_shared_expert": ParityCase(MOE + SHARED, ("--dhelix",)),
          "ep2_mixed_llama_round_robin": ParityCase(MOE + LLAMA, ("--dhelix", "--dhelix-pairer",
                                                                  "round_robin")),
          "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE))}
@@ -46,7 +49,8 @@ def launch(tmp_path_factory):
                                             "DHELIX_RANKS_PER_NODE": "1"})
 
 
-@pytest.fixture(scope="module", params=["ep2_mixed_dp", "ep2_mixed_llama_round_robin"])
+@pytest.fixture(scope="module", params=["ep2_mixed_dp", "ep2_mixed_llama_round_robin",
+                                        "ep2_mixed_shared_expert"])
 def report(launch, request):
     return [dict(rank[request.param], case=request.param) for rank in launch]
 
@@ -61,6 +65,10 @@ def test_losses_aux_losses_and_gradients_equal_megatron(report):
         # layers 1, 2 and 4 are MoE: each recorded a loss; the dense layer 3 none
         assert_moe_parity(entry, STEPS, [True, True, False, True],
                           dict(loss=FP32_LOSS, grad=FP32_GRAD, param=FP32_PARAM, eval=FP32_EVAL))
+        # and, with a shared expert, its two weights in every MoE layer
+        keys = entry["grad_keys"]
+        shared = sum(".shared_experts.linear_fc" in k and k.endswith(".weight") for k in keys)
+        assert shared == (6 if "shared" in entry["case"] else 0), keys
 
 
 def test_router_decisions_are_identical(report):
@@ -77,14 +85,17 @@ def test_moe_layers_ran_as_operators_with_their_all_to_alls_on_lanes(report):
         # the one-stage SI list with the operator pass engine: 3 micro-batches, 2 SI blocks
         assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
         assert all(rank["si_blocks"] == 2 for rank in entry["executed"]["train"])
+        shared = "shared" in entry["case"]
         assert entry["moe_fwd_ops"][5:] == [
-            "ln2", "router", "counts.ag", "permute", "dispatch.a2a", "experts.sort",
+            "ln2", "router", "counts.ag", "permute", "dispatch.a2a",
+            *(["shared.fc1", "shared.act", "shared.fc2"] if shared else []), "experts.sort",
             "experts.fc1", "experts.act", "experts.fc2", "experts.unsort", "combine.a2a",
-            "unpermute", "bda2"]
+            "unpermute", *(["shared.add"] if shared else []), "bda2"]
         assert "experts.fc1.wgrad" in entry["moe_bwd_ops"]
+        assert ({"shared.fc1.wgrad", "shared.fc2.dgrad"} <= set(entry["moe_bwd_ops"])) == shared
         # the probabilities' two gradients are summed only when the experts have biases
         assert ("experts.probs_sum" in entry["moe_bwd_ops"]) == entry["moe_bias"]
-        assert entry["moe_bias"] == ("llama" not in entry["case"])
+        assert entry["moe_bias"] == ("llama" not in entry["case"] and not shared)
         assert "combine.a2a_grad" in entry["moe_bwd_ops"]
         assert "dispatch.a2a_grad" in entry["moe_bwd_ops"]
         # one rank per node (DHELIX_RANKS_PER_NODE=1): the EP group spans two nodes, so

@@ -4,7 +4,8 @@ operators depend on, and the one place that says which MoE configurations they i
 Supported: top-k routing by megatron-core's `TopKRouter` (softmax or sigmoid scores, with
 the auxiliary load-balancing loss `aux_loss` or no balancing loss), the all-to-all token
 dispatcher (dropless: no capacity factor), local experts run by `SequentialMLP` (the local
-spec without `--moe-grouped-gemm`), expert tensor parallelism 1, and tensor parallelism 1
+spec without `--moe-grouped-gemm`), a shared expert without its gate
+(`--moe-shared-expert-intermediate-size`), expert tensor parallelism 1, and tensor parallelism 1
 or larger with sequence parallelism (each TP rank routes its own sequence shard;
 `megatron_patches.moe_support`, which the `--dhelix` argument checks share). Everything
 else raises `UnsupportedLayerError` naming the setting.
@@ -26,6 +27,8 @@ class MoEDescription:
     ffn_hidden_size: int
     ep_ranks: tuple
     aux_loss: bool  # the aux_loss balancing loss is attached to the routing probabilities
+    # the shared expert's FFN size (`--moe-shared-expert-intermediate-size`; 0: none)
+    shared_ffn_hidden_size: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "ep_ranks", tuple(self.ep_ranks))
@@ -54,8 +57,10 @@ class MoEDescription:
         return self.ep_size * tokens * min(self.topk, self.num_local_experts)
 
     def summary(self) -> str:
+        shared = (f", shared expert ffn={self.shared_ffn_hidden_size}"
+                  if self.shared_ffn_hidden_size else "")
         return (f"moe {self.num_experts} experts top-{self.topk} ffn={self.ffn_hidden_size} "
-                f"{'aux-loss' if self.aux_loss else 'no balancing loss'}, "
+                f"{'aux-loss' if self.aux_loss else 'no balancing loss'}{shared}, "
                 f"ep-group {list(self.ep_ranks)}")
 
     @classmethod
@@ -64,7 +69,8 @@ class MoEDescription:
                    ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
                    ep_ranks=tuple(ep_ranks),
                    aux_loss=balancing_type(config) == "aux_loss"
-                   and bool(config.moe_aux_loss_coeff))
+                   and bool(config.moe_aux_loss_coeff),
+                   shared_ffn_hidden_size=config.moe_shared_expert_intermediate_size or 0)
 
 
 def moe_layer_pattern(config) -> list:

@@ -348,11 +348,15 @@ class Unpermute(Kernel):
 
 @register_kernel
 class GradSum(Kernel):
-    """The sum of two gradients of one value (a value with two readers): `a + b`, which
-    equals autograd's accumulation of the same two terms bit for bit."""
+    """The sum of its inputs from left to right, `(a + b) + c ...`: the gradients of one
+    value with several readers, which equals autograd's accumulation of the same terms in
+    the same order bit for bit (the first two terms commute); also the shared expert's
+    output added to the routed output (`shared.add`)."""
 
     name, kind, op_class = "grad_sum", "comp", "elementwise"
 
     def run(self, op, state):
-        first, second = (state.take(name) for name in op.inputs)
-        state.put(op.outputs[0], torch.add(first, second))
+        total = torch.add(state.take(op.inputs[0]), state.take(op.inputs[1]))
+        for name in op.inputs[2:]:
+            total = torch.add(total, state.take(name))
+        state.put(op.outputs[0], total)

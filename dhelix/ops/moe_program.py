@@ -25,6 +25,11 @@ input of the MLP half (`ln2.out`) feeds two readers, the router and the permutat
 gradient is the sum of their two gradients (`ln2.grad_sum`; two terms, so the sum is
 bit-identical to autograd's accumulation in either order).
 
+With a shared expert (`--moe-shared-expert-intermediate-size`) the program also has the
+shared expert's operators (`dhelix.ops.moe_shared_program`: its FC1, activation and FC2 after
+`dispatch.a2a`, `shared.add` after `unpermute`, their backward after `combine.a2a_grad`, its
+input gradient a third term of `ln2.grad_sum`), none depending on an all-to-all.
+
 At TP > 1 (sequence parallelism, expert TP 1) with the aux loss, `router` becomes
 `router, aux.counts.ar, router.aux` forward and `router.aux.bwd, router.bwd` backward
 (`aux_over_tp`): the router's all-reduce of token counts for the loss on the TP lane.
@@ -39,6 +44,8 @@ rows received from the expert-parallel group (`VariableDim` "recv", bounded by
 
 from __future__ import annotations
 
+from dhelix.ops.moe_shared_program import INPUT_GRAD, has_shared_expert, shared_add, \
+    shared_backward, shared_forward
 from dhelix.ops.program import ValueInfo, VariableDim
 from dhelix.ops.registry import cost_key
 
@@ -224,13 +231,18 @@ def moe_forward(b, norm) -> None:
     _rows(b, "dispatch.probs", recv)
     _a2a(b, "fwd", "dispatch.a2a", ["permute.tokens", "permute.probs", "counts"],
          ["dispatch.tokens", "dispatch.probs", b.aux("dispatch.splits")], routed)
+    shared = has_shared_expert(d)
+    if shared:  # the shared expert's GEMMs next to the dispatch they do not depend on
+        shared_forward(b)
     _experts_forward(b, recv)
     _rows(b, "combine.out", routed, h)
     _a2a(b, "fwd", "combine.a2a", ["experts.out", "dispatch.splits"], ["combine.out"], routed)
-    b.tensor("mlp.out", d.local_seq, h)
+    routed_out = b.tensor("unpermute.out" if shared else "mlp.out", d.local_seq, h)
     b.op("fwd", "unpermute", "moe_unpermute", COMP, "permute",
-         ["combine.out", "permute.rows", "router.map"], ["mlp.out", b.graph("unpermute.graph")],
+         ["combine.out", "permute.rows", "router.map"], [routed_out, b.graph("unpermute.graph")],
          b.key("unpermute.fwd", t=tokens, h=h, e=e, k=moe.topk), module="mlp")
+    if shared:
+        shared_add(b, routed_out, b.tensor("mlp.out", d.local_seq, h))
     b.tensor("y", d.local_seq, h)
     b.op("fwd", "bda2", "bda_fwd", COMP, "elementwise", ["mlp.out", "h1"],
          ["y", b.graph("bda2.graph")],
@@ -256,6 +268,9 @@ def moe_backward(b, norm_backward) -> None:
     _rows(b, "d.experts.out", recv, h)
     _a2a(b, "bwd", "combine.a2a_grad", ["d.combine.out", "dispatch.splits"], ["d.experts.out"],
          routed)
+    shared = has_shared_expert(d)
+    if shared:  # the shared expert's backward next to the all-to-all it does not depend on
+        shared_backward(b, "d.mlp.out")
     _experts_backward(b, recv)
     _rows(b, "d.permute.tokens", routed, h)
     _rows(b, "d.permute.probs", routed)
@@ -282,6 +297,7 @@ def moe_backward(b, norm_backward) -> None:
                                      aux=moe.aux_loss), grads_of=("x",))
     b.tensor("d.ln2.out", s, h)
     b.op("bwd", "ln2.grad_sum", "grad_sum", COMP, "elementwise",
-         ["d.ln2.out.tokens", "d.ln2.out.router"], ["d.ln2.out"],
+         ["d.ln2.out.tokens", "d.ln2.out.router", *([INPUT_GRAD] if shared else [])],
+         ["d.ln2.out"],
          b.key("add", s=s, b=bsz, h=h))
     norm_backward(b)

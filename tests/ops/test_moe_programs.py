@@ -117,7 +117,10 @@ def test_layer_kinds_of_a_moe_layer_freq_stack():
     (dict(moe_token_dispatcher_type="allgather"), "--moe-token-dispatcher-type alltoall"),
     (dict(moe_grouped_gemm=True), "--moe-grouped-gemm"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "aux_loss or none"),
-    (dict(moe_shared_expert_intermediate_size=64), "shared experts"),
+    (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True),
+     "--moe-shared-expert-gate"),
+    (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True),
+     "--moe-shared-expert-overlap"),
     (dict(moe_expert_capacity_factor=1.0), "token dropping"),
     (dict(moe_z_loss_coeff=1e-3), "z-loss"),
 ])
@@ -179,3 +182,66 @@ def test_analytic_planner_pairs_moe_with_dense_and_moe_layers():
         assert sorted(plan.fwd_order) == sorted(fwd.forward.ids)
         assert sorted(plan.bwd_order) == sorted(bwd.backward.ids)
         assert plan.speedup >= 1.0
+
+
+def _ancestors(program, op_id: str) -> set:
+    """Every operator `op_id` depends on, directly or through others."""
+    found, todo = set(), list(program[op_id].deps)
+    while todo:
+        dep = todo.pop()
+        if dep not in found:
+            found.add(dep)
+            todo.extend(program[dep].deps)
+    return found
+
+
+def test_shared_expert_gemms_are_independent_of_the_all_to_alls():
+    """With a shared expert the MoE program has its FC1 / activation / FC2 (forward) and
+    their dgrads and movable wgrads (backward) on the MLP input, and no path in the
+    dependency DAG joins them with the token-count exchange or an all-to-all: the planner
+    may co-execute them with those collectives."""
+    desc = describe_moe(shared_ffn_hidden_size=80)
+    programs = build_layer_programs(desc)
+    fwd, bwd = programs.forward, programs.backward
+    assert fwd.ids[5:] == MOE_FWD[:5] + ["shared.fc1", "shared.act", "shared.fc2"] \
+        + MOE_FWD[5:-1] + ["shared.add", "bda2"]
+    shared_bwd = ["shared.fc2.dgrad", "shared.fc2.wgrad", "shared.act.bwd", "shared.fc1.dgrad",
+                  "shared.fc1.wgrad"]
+    assert bwd.ids[:16 + 5] == MOE_BWD[:3] + shared_bwd + MOE_BWD[3:]
+    assert fwd["shared.fc1"].deps == ("ln2",)
+    assert fwd["shared.fc1"].cost_key == "linear.fwd(m=16,n=80,k=64,bias=0)/float32"
+    assert fwd["shared.fc1"].attrs["module"] == "mlp.shared_experts.linear_fc1"
+    assert set(fwd["shared.add"].deps) == {"unpermute", "shared.fc2"}
+    assert set(fwd["bda2"].deps) == {"shared.add", "bda1"}
+    assert bwd["shared.fc2.dgrad"].deps == ("bda2.bwd",)
+    assert {"shared.fc1.wgrad", "shared.fc2.wgrad"} <= {op.id for op in bwd.ops if op.movable}
+    # the MLP input's gradient: permutation, router, then the shared expert's term
+    assert bwd["ln2.grad_sum"].deps == ("permute.bwd", "router.bwd", "shared.fc1.dgrad")
+    comm = {op.id for program in (fwd, bwd) for op in program.ops if op.kind == "comm"}
+    assert comm == {"counts.ag", "dispatch.a2a", "combine.a2a", "combine.a2a_grad",
+                    "dispatch.a2a_grad"}
+    for program, ids in ((fwd, ["shared.fc1", "shared.act", "shared.fc2"]), (bwd, shared_bwd)):
+        for op_id in ids:
+            assert not _ancestors(program, op_id) & comm, op_id
+            assert not any(op_id in _ancestors(program, c) for c in comm if c in program.ids), \
+                op_id
+    # the routed path still runs through the all-to-alls (the check above can fail)
+    assert "dispatch.a2a" in _ancestors(fwd, "shared.add")
+    assert "combine.a2a_grad" in _ancestors(bwd, "ln2.grad_sum")
+    # a gated shared FFN doubles FC1's width (SwiGLU)
+    gated = build_layer_programs(replace(desc, gated_linear_unit=True, activation="silu"))
+    assert gated.forward["shared.fc1"].cost_key.startswith("linear.fwd(m=16,n=160,k=64,")
+
+
+def test_shared_experts_are_refused_with_tensor_parallelism():
+    """The shared-expert operators are TP=1 only (no SP all-gather / reduce-scatter)."""
+    from types import SimpleNamespace
+
+    from megatron_patches.moe_support import check_supported_moe
+
+    moe = dict(moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+               moe_shared_expert_intermediate_size=64, expert_tensor_parallel_size=1)
+    assert check_supported_moe(SimpleNamespace(**moe, tensor_model_parallel_size=1)) == []
+    (problem,) = check_supported_moe(SimpleNamespace(**moe, tensor_model_parallel_size=2,
+                                                     sequence_parallel=True))
+    assert "shared experts" in problem and "--tensor-model-parallel-size 1 only" in problem
