@@ -70,8 +70,10 @@ def _parse(argv, validate=False):
     from megatron.training import arguments
 
     from megatron_patches.training_hooks import install_training_hooks
+    from megatron_patches.training_shims import apply_training_cpu_shims
 
-    install_training_hooks()
+    apply_training_cpu_shims()  # as the plugin does before pretrain() validates (TP > 1
+    install_training_hooks()    # asks the device's architecture there)
     stderr = io.StringIO()
     saved = sys.argv
     sys.argv = ["pretrain_gpt.py", *argv]
