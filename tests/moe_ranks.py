@@ -240,3 +240,12 @@ def moe_parity(ctx, cases: dict, steps: int, workdir: str | None = None) -> dict
     finally:
         close_all_runs()
     return report
+
+
+def launch_moe_parity(world_size: int, cases: dict, steps: int, workdir: str) -> list:
+    """One launch of `moe_parity` on `world_size` gloo ranks, one rank per emulated node
+    (every expert-parallel group spans nodes), one thread per rank: every rank's report."""
+    from dhelix.harness import run_on_ranks
+
+    return run_on_ranks(moe_parity, world_size, cases, steps, workdir, timeout_s=400,
+                        env={"OMP_NUM_THREADS": "1", "DHELIX_RANKS_PER_NODE": "1"})
