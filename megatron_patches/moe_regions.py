@@ -1,5 +1,6 @@
-"""Run the parts of megatron-core's `MoELayer` (alltoall token dispatcher, dropless, TP=1)
-between its communications, for the MoE operators (`dhelix.ops.moe_kernels`). The only
+"""Run the parts of megatron-core's `MoELayer` (alltoall token dispatcher, dropless, expert
+tensor parallelism 1, any tensor parallelism with sequence parallelism) between its
+communications, for the MoE operators (`dhelix.ops.moe_kernels`). The only
 code touching MoE internals, as `layer_regions` is for the dense layer.
 
 Each region calls Megatron's own code on Megatron's own modules: the router
@@ -10,9 +11,16 @@ expert's own MLP code between its GEMMs (`layer_regions.expert_activation` /
 `expert_fc2_bias`; the GEMMs are the operators' own, as for the dense MLP). What `MoEAlltoAllTokenDispatcher` keeps on itself between
 its steps (split sizes, permutation rows, routing map) is returned here as values, which the
 operators hold per micro-batch, so two micro-batches can be in flight in one layer.
-`dispatch_splits` repeats the dispatcher's `preprocess` arithmetic for TP=1 (dropless), from
-the token counts the operators exchanged themselves; `record_tracker_state` keeps the
-tracker untouched by a measurement run.
+`dispatch_splits` repeats the dispatcher's `preprocess` arithmetic for expert tensor
+parallelism 1 (dropless), from the token counts the operators exchanged themselves;
+`record_tracker_state` keeps the tracker untouched by a measurement run.
+
+With expert tensor parallelism 1 the dispatcher's own "TP" group (Megatron's expert-TP
+group) has one rank, so Megatron all-gathers no tokens around the experts even when the
+attention's TP is larger: under sequence parallelism each TP rank routes its own sequence
+shard, its token-count exchange group (expert-TP x EP) is the EP group, and the only
+communication over the attention's TP group is the router's all-reduce of token counts
+for the auxiliary loss (`route_deferring_aux_loss` / `attach_aux_loss`).
 """
 
 from __future__ import annotations
@@ -27,6 +35,74 @@ def route(moe_layer, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs [tokens, experts] with the aux-loss attached when training, routing map
     [tokens, experts] bool): `MoELayer.route` on the MLP input [s, b, h]."""
     return moe_layer.route(hidden)
+
+
+@dataclass(frozen=True)
+class DeferredRoute:
+    """`MoELayer.route` with the auxiliary loss not yet attached: the probabilities, the
+    routing map, the scores the loss is computed from (None when the router attaches no
+    loss: evaluation, or no aux loss) and this rank's token count per expert under the
+    aux-loss routing (zeros without scores)."""
+
+    probs: torch.Tensor
+    routing_map: torch.Tensor
+    scores: torch.Tensor | None
+    local_counts: torch.Tensor
+
+
+def route_deferring_aux_loss(moe_layer, hidden: torch.Tensor) -> DeferredRoute:
+    """`MoELayer.route` on the MLP input (through the router module, so its hooks run) with
+    `TopKRouter._apply_aux_loss` held back: Megatron's version all-reduces the token
+    counts over the router's TP x CP group inside the call; here the counts are returned
+    for the operators to all-reduce on their own lane, and `attach_aux_loss` finishes
+    the loss. Only the `aux_loss` balancing type is deferred (`moe_support` refuses the
+    others)."""
+    router = moe_layer.router
+    held = {}
+
+    def hold(probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        if with_padding_mask:
+            raise NotImplementedError("the MoE operators route without a padding mask")
+        held.update(scores=scores_for_aux_loss, map=routing_map)
+        return probs
+
+    router._apply_aux_loss = hold  # an instance attribute shadowing the method, this call only
+    try:
+        probs, routing_map = moe_layer.route(hidden)
+    finally:
+        del router._apply_aux_loss
+    scores = held.get("scores")
+    if scores is None:
+        counts = torch.zeros(routing_map.shape[1], dtype=torch.long, device=routing_map.device)
+    else:
+        # `get_tokens_per_expert_and_token_count`: the local count before its all-reduce
+        counts = held["map"].sum(dim=0)
+    return DeferredRoute(probs=probs, routing_map=routing_map, scores=scores,
+                         local_counts=counts)
+
+
+def attach_aux_loss(moe_layer, probs: torch.Tensor, scores: torch.Tensor | None,
+                    reduced_counts: torch.Tensor) -> torch.Tensor:
+    """The rest of `TopKRouter._apply_aux_loss` after its all-reduce: the switch
+    load-balancing loss from `scores` and the token counts per expert summed over the
+    router's TP x CP group (`reduced_counts`), over that group's tokens, attached to
+    `probs` and recorded in Megatron's MoE metrics tracker, as Megatron's router does.
+    `probs` unchanged (as a view) without scores."""
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    if scores is None:
+        return probs.view_as(probs)
+    router = moe_layer.router
+    coeff = router.get_aux_loss_coeff("aux_loss")
+    local_tokens = scores.shape[0]
+    aux_loss = switch_load_balancing_loss_func(
+        probs=scores, tokens_per_expert=reduced_counts,
+        total_num_tokens=local_tokens * router.tp_cp_group.size(), topk=router.topk,
+        num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff,
+        fused=router.config.moe_router_fusion)
+    return router.attach_and_log_load_balancing_loss(
+        probs, coeff, aux_loss, "load_balancing_loss", router.tp_cp_group,
+        valid_token_count=local_tokens)
 
 
 def local_token_counts(routing_map: torch.Tensor) -> torch.Tensor:
@@ -61,9 +137,13 @@ class DispatchSplits:
 
 
 def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> DispatchSplits:
-    """The alltoall dispatcher's `preprocess` for TP=1 (dropless) from the token counts of
-    every rank of the expert-parallel group (`gathered`, [ep * experts] in group order)."""
+    """The alltoall dispatcher's `preprocess` for expert tensor parallelism 1 (dropless)
+    from the token counts of every rank of the expert-parallel group (`gathered`,
+    [ep * experts] in group order)."""
     dispatcher = moe_layer.token_dispatcher
+    if dispatcher.tp_size != 1:
+        raise NotImplementedError(f"the MoE operators need expert tensor parallelism 1, the "
+                                  f"dispatcher has {dispatcher.tp_size}")
     ep, experts = dispatcher.ep_size, dispatcher.num_experts
     local_experts = dispatcher.num_local_experts
     local = gathered.view(ep, experts)[ep_rank]
@@ -80,7 +160,7 @@ def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> Dispatch
 
 def sort_received(moe_layer, tokens: torch.Tensor, probs: torch.Tensor,
                   splits: DispatchSplits):
-    """`dispatch_postprocess` for TP=1: the received rows (and probabilities) sorted by
+    """`dispatch_postprocess` for expert TP 1: the received rows (and probabilities) sorted by
     local expert (unchanged, as views, with one local expert)."""
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
@@ -93,7 +173,7 @@ def sort_received(moe_layer, tokens: torch.Tensor, probs: torch.Tensor,
 
 
 def unsort_expert_rows(moe_layer, rows: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
-    """`combine_preprocess` for TP=1: expert output rows back in received order."""
+    """`combine_preprocess` for expert TP 1: expert output rows back in received order."""
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
     dispatcher = moe_layer.token_dispatcher

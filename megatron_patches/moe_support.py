@@ -55,11 +55,16 @@ def check_supported_moe(config) -> list:
     if balancing not in BALANCING:
         problems.append(f"MoE load balancing {balancing!r} is not supported; use "
                         "--moe-router-load-balancing-type aux_loss or none")
-    if getattr(config, "tensor_model_parallel_size", 1) != 1:
-        problems.append("MoE layers run as operators with --tensor-model-parallel-size 1 only")
-    if (getattr(config, "expert_tensor_parallel_size", None) or 1) != 1:
-        problems.append("expert tensor parallelism (--expert-tensor-parallel-size > 1) is not "
-                        "supported; use 1")
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 and not getattr(config, "sequence_parallel", False):
+        problems.append("MoE layers with --tensor-model-parallel-size > 1 need "
+                        "--sequence-parallel (Megatron's MoE layer refuses to train without it)")
+    # Megatron sets an unset --expert-tensor-parallel-size to the tensor-parallel size
+    etp = getattr(config, "expert_tensor_parallel_size", None) or tp
+    if etp != 1:
+        problems.append(f"expert tensor parallelism {etp} is not supported (Megatron defaults "
+                        "--expert-tensor-parallel-size to the tensor-parallel size); use "
+                        "--expert-tensor-parallel-size 1")
     for name, text in _UNSUPPORTED_FLAGS:
         if getattr(config, name, None):
             problems.append(f"{text} is not supported by the MoE operators")

@@ -27,23 +27,7 @@ PROFILE=${PROFILE:-configs/profiles/h100_llama8b_layer_comp_only.json}
 SYSTEMS=${SYSTEMS:-megatron,commfree,ops_sequential,domino,wavelet,dhelix}
 if [ -x .venv/bin/python ]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 
-if ! command -v tc >/dev/null || ! command -v ip >/dev/null; then
-    if ! ls .debs/*.deb >/dev/null 2>&1; then
-        echo "error: no ip/tc and no .debs/*.deb to unpack them from" >&2; exit 2
-    fi
-    mkdir -p /tmp/iproute2
-    for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/iproute2 || exit 2; done
-    export PATH=/tmp/iproute2/usr/sbin:/tmp/iproute2/sbin:/tmp/iproute2/usr/bin:/tmp/iproute2/bin:$PATH
-    export LD_LIBRARY_PATH=/tmp/iproute2/usr/lib/x86_64-linux-gnu:/tmp/iproute2/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    tc qdisc help >/dev/null 2>&1; ip -V || exit 2
-fi
-if ! $PY -c "import megatron.core" >/dev/null 2>&1 && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/megatron_core-*.whl || exit 2
-    export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}
-else
-    export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-fi
+NEED_IPROUTE=1 source scripts/lent_host_tools.sh || exit 2
 export CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1
 echo "[bench_emulated_gpu] $(nproc) cores, S=$S, link $LINK, reps $REPS, out $OUT;" \
     "ip $(command -v ip), tc $(command -v tc)"

@@ -230,7 +230,9 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
         if code == 0 and raw_path.is_file():
             ranks = json.loads(raw_path.read_text())["ranks"]
         print(f"[bench] ({config.name}) {status}; cleanup {cleanup}", flush=True)
-    raw = {"config": config.name, "ranks": ranks,
+    from dhelix.cluster.cores import host_cores
+
+    raw = {"config": config.name, "ranks": ranks, "host_cores": len(host_cores()),
            "tokens_per_step": _tokens_per_step(base, config.world_size),
            "runs": {name: {"label": run.label, "unavailable": run.unavailable,
                            "timing_only": run.system.timing_only, "args": run.args}
@@ -268,7 +270,7 @@ def _tokens_per_step(base: list, world_size: int) -> int:
 
 def orchestrate(ns) -> int:
     from dhelix.bench.report import bar_chart, markdown
-    from dhelix.bench.systems import CONFIGS, SYSTEM_NAMES, SYSTEMS, plan_system
+    from dhelix.bench.systems import CONFIGS, SYSTEM_NAMES, SYSTEMS, config_systems, plan_system
 
     if os.geteuid() != 0:
         print("error: the benchmark runs on the emulated cluster, which needs root",
@@ -322,7 +324,8 @@ def orchestrate(ns) -> int:
         if profiles[name] is None and not ns.no_profile and any(s.uses_profile
                                                                  for s in systems):
             profiles[name] = profile_config(config, model, ns, bandwidth, raw_dir, emulation)
-        runs = {s.name: plan_system(s, config, model, profiles[name]) for s in systems}
+        runs = {s.name: plan_system(s, config, model, profiles[name])
+                for s in config_systems(config, systems)}
         entry = run_config(config, runs, model, ns, bandwidth, raw_dir, emulation)
         failed |= not entry["status"].startswith("exit 0") or "LEFT" in entry["cleanup"]
         results["configs"].append(entry)
@@ -364,7 +367,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="a,a2,b,c",
-                        help="comma-separated: a, a2, b, c (default all)")
+                        help="comma-separated: a, a2, b, c, d, e, e2 (default a,a2,b,c)")
     parser.add_argument("--systems", default=None,
                         help=f"comma-separated subset (default all: "
                              f"{', '.join(SYSTEM_NAMES)})")

@@ -16,18 +16,13 @@
 #   STEPS=bench PROFILE=configs/profiles/h100_llama8b_layer_sdpa_comp_only.json \
 #       bash scripts/lent_gpu_checks.sh        # the benchmark alone, planned from a profile
 #
-# Needs megatron-core: a wheel under .whl/ (installed into /tmp/site) or already importable.
+# Needs megatron-core (a wheel under .whl/ or importable) and, for the cluster step, ip/tc
+# (or the .deb files under .debs/): scripts/lent_host_tools.sh provides both.
 set -u
 OUT=${OUT:-/tmp/lent_gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/megatron_core-*.whl || exit 1
-    export PYTHONPATH=/tmp/site:.
-else
-    export PYTHONPATH=.
-fi
+source scripts/lent_host_tools.sh || exit 1
 export PYTHONUNBUFFERED=1
 TESTS_S=${TESTS_S:-200} PROFILE_S=${PROFILE_S:-120} BENCH_S=${BENCH_S:-300} CLUSTER_S=${CLUSTER_S:-300}
 REPS=${REPS:-8}
@@ -73,11 +68,6 @@ for row in stock_sdpa dhelix_sequential; do
     [ -f "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ] && cp "$trace" "$OUT/"
 done
 if [[ " $STEPS " == *" cluster "* ]]; then
-    if ls .debs/*.deb >/dev/null 2>&1 && ! command -v ip >/dev/null 2>&1; then
-        for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/iproute2; done
-        export PATH=/tmp/iproute2/usr/sbin:/tmp/iproute2/sbin:/tmp/iproute2/usr/bin:$PATH
-        export LD_LIBRARY_PATH=/tmp/iproute2/usr/lib/x86_64-linux-gnu:/tmp/iproute2/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    fi
     # shellcheck disable=SC2086 (CLUSTER_ARGS splits into words on purpose)
     CUDA_VISIBLE_DEVICES= step cluster_bench "$CLUSTER_S" $PY scripts/bench_systems.py \
         ${CLUSTER_ARGS:---configs a --reps 4} --out "$OUT/cluster"

@@ -242,6 +242,37 @@ def moe_parity(ctx, cases: dict, steps: int, workdir: str | None = None) -> dict
     return report
 
 
+def stock_moe_and_parity(ctx, cases: dict, steps: int, parity_cases: dict,
+                         parity_steps: int) -> dict:
+    """One launch for both: `stock_moe_steps` of `cases`, then `moe_parity` of
+    `parity_cases` (the rank start-up, most of a small launch's time, is paid once)."""
+    report = stock_moe_steps(ctx, cases, steps)
+    report.update(moe_parity(ctx, parity_cases, parity_steps))
+    return report
+
+
+def assert_moe_parity(entry: dict, steps: int, moe_pattern: list, tolerance: dict) -> None:
+    """A `moe_parity` case report against Megatron's own schedule: the compared gradients
+    include the router and the experts' FC1 of every MoE layer (`moe_pattern`: True per
+    MoE layer); per step the loss, every gradient and the parameters after the step, and
+    the load-balancing loss each layer recorded (positive exactly on the MoE layers) within
+    `tolerance` ({'loss', 'grad', 'param', 'eval'}); the evaluation loss too."""
+    keys = entry["grad_keys"]
+    assert sum(".router.weight" in k for k in keys) == sum(moe_pattern), keys
+    assert sum(".experts." in k and "linear_fc1.weight" in k for k in keys) == sum(
+        moe_pattern), keys
+    assert entry["eval_loss_diff"] <= tolerance["eval"]
+    assert len(entry["rows"]) == steps and len(entry["aux"]) == steps
+    for row in entry["rows"]:
+        assert row["loss_diff"] <= tolerance["loss"], row
+        assert row["grad_diff"] <= tolerance["grad"], row
+        assert row["param_diff"] <= tolerance["param"], row
+    for ref, got in zip(entry["aux_ref"], entry["aux"]):
+        assert ref is not None and got is not None
+        assert [v > 0 for v in ref] == list(moe_pattern), ref
+        assert max(abs(a - b) for a, b in zip(ref, got)) <= tolerance["loss"], (ref, got)
+
+
 def launch_moe_parity(world_size: int, cases: dict, steps: int, workdir: str) -> list:
     """One launch of `moe_parity` on `world_size` gloo ranks, one rank per emulated node
     (every expert-parallel group spans nodes), one thread per rank: every rank's report."""

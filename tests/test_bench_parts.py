@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dhelix.bench.report import bar_chart, markdown, summarise_config
-from dhelix.bench.systems import CONFIGS, SYSTEMS, plan_system, tiny_model
+from dhelix.bench.systems import CONFIGS, config_systems, plan_system, tiny_model
 from scripts.bench_systems import per_config
 
 MODEL = tiny_model()
@@ -15,7 +15,8 @@ MODEL = tiny_model()
 
 @functools.lru_cache(maxsize=None)  # each planning parses Megatron's arguments (~0.2 s)
 def _runs(config, profile=None):
-    return {s.name: plan_system(s, CONFIGS[config], MODEL, profile) for s in SYSTEMS}
+    return {s.name: plan_system(s, CONFIGS[config], MODEL, profile)
+            for s in config_systems(CONFIGS[config])}
 
 
 def test_every_system_runs_with_pp1_and_all_but_domino_with_pp2():
@@ -25,6 +26,21 @@ def test_every_system_runs_with_pp1_and_all_but_domino_with_pp2():
     for name in ("megatron", "commfree", "ops_sequential", "wavelet", "dhelix"):
         assert runs[name].unavailable is None
     assert "without pipelining" in runs["domino"].unavailable
+
+
+def test_moe_configuration_rows():
+    """(e): EP=2 with MoE layers; Megatron's own MoE overlap has a row there only, n/a on
+    CPU ranks with the reason; the Domino-style split refuses MoE layers."""
+    assert "megatron_moe_overlap" not in _runs("a")
+    runs = _runs("e")
+    assert "CUDA streams" in runs["megatron_moe_overlap"].unavailable
+    assert "MoE" in runs["domino"].unavailable
+    for name in ("megatron", "commfree", "ops_sequential", "wavelet", "dhelix"):
+        assert runs[name].unavailable is None, (name, runs[name].unavailable)
+    assert "--expert-model-parallel-size" in CONFIGS["e"].parallel_args()
+    runs = _runs("e2")  # TP=2 with SP beside EP=2
+    for name in ("megatron", "ops_sequential", "wavelet", "dhelix"):
+        assert runs[name].unavailable is None, (name, runs[name].unavailable)
 
 
 def test_dhelix_row_takes_the_profile_or_says_it_is_analytic(tmp_path):
@@ -85,6 +101,21 @@ def test_summary_speedup_and_hidden_share():
     assert floor["floor_s"] == pytest.approx(2.1)
     assert floor["best_speedup"] == pytest.approx(t_meg / 2.1)
     assert floor["best_hidden_share"] == pytest.approx((t_meg - 2.1) / (t_meg - t_free))
+    # the achievable gain: the comm-free step (3.03 s) is the largest floor measured here
+    bound = summary["achievable_bound"]
+    assert (bound["by"], bound["bound_s"]) == ("comm-free step", pytest.approx(t_free))
+    assert bound["cpu_work_floor_s"] is None  # no CPU accounting in this raw
+    assert rows["dhelix"]["achievable_share"] == pytest.approx((t_meg - t_dh) / (t_meg - t_free))
+    # with a CPU-work floor above it (2 ranks of 2.5 s CPU work on 1 core: 5 s) Megatron is
+    # not slower than the bound, and the share is undefined
+    raw = _raw()
+    for rank in raw["ranks"]:
+        rank["step_parts"] = {"megatron": {"thread_run": [2.0] * 3, "thread_runnable": [0.1] * 3,
+                                           "other_threads": [0.5] * 3}}
+    summary = summarise_config({**raw, "host_cores": 1})
+    assert summary["achievable_bound"]["by"] == "CPU-work floor"
+    assert summary["achievable_bound"]["bound_s"] == pytest.approx(5.0)
+    assert all(r.get("achievable_share") is None for r in summary["rows"])
 
 
 def test_markdown_and_chart_with_na_rows(tmp_path):
@@ -115,6 +146,10 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
             "replayed on the same groups with nothing else running take 2100 ms (2020-2200) "
             "one at a time and 2500 ms (2424-2600) all issued at once") in text
     assert "the link does not bind here" in text  # the floor (2.1 s) is below the bound (3.0 s)
+    # DHelix's row: share of the achievable gain (4141 - 3232) / (4141 - 3030) = 82%, no plan
+    assert "| 1.281x | 82% | - | 82% |" in text
+    assert "Achievable gain: T_bound = 3030 ms (the comm-free step; link floor 2100 ms; " \
+           "comm-free step 3030 ms; CPU-work floor not measured)" in text
     assert not math.isnan(entries[0]["summary"]["comm_share_of_megatron"])
     bar_chart(results, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000
@@ -138,7 +173,9 @@ def test_spread_and_predicted_step_speedup():
         (min(per_rep), sorted(per_rep)[1], max(per_rep)))
     t_meg, t_seq = 4.1 * 1.01, 4.0 * 1.01
     assert rows["dhelix"]["predicted_speedup"] == pytest.approx(t_meg / (t_seq - 0.21))
+    assert rows["dhelix"]["predicted_step_s"] == pytest.approx(t_seq - 0.21)
     assert rows["wavelet"]["predicted_speedup"] is None  # no plan costs recorded
+    assert rows["wavelet"]["predicted_step_s"] is None
     # with the cost model's executed sequential layer (collectives in flight while the
     # strand computes), the saving is taken against it: 21 x (46 - 40) ms
     for rank in raw["ranks"]:
@@ -204,16 +241,20 @@ def test_cpu_readings_count_another_threads_work():
 
     from dhelix.bench.cpu_time import CpuTimes
 
-    def spin():
-        deadline = time.perf_counter() + 0.2
-        while time.perf_counter() < deadline:
-            pass
+    busy, done = threading.Event(), threading.Event()
+
+    def spin():  # until measured; says when it has used 30 ms of CPU (however loaded the host)
+        start = time.thread_time()
+        while not done.is_set():
+            if time.thread_time() - start > 0.03:
+                busy.set()
 
     before = CpuTimes.now()
     worker = threading.Thread(target=spin)
     worker.start()
-    time.sleep(0.05)  # measured while the worker still runs (an ended thread is not counted)
-    during = CpuTimes.now().since(before)
+    assert busy.wait(60)
+    during = CpuTimes.now().since(before)  # measured while the worker runs (an ended
+    done.set()                             # thread is not counted)
     worker.join()
     if during["other_threads"] is None:
         pytest.skip("no /proc/self/task/*/schedstat here")

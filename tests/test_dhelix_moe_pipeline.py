@@ -21,9 +21,9 @@ shared with tests/test_dhelix_moe.py), through the plugin's step harness."""
 import pytest
 
 from tests.engine_checks import assert_ran_on_the_engine
-from tests.moe_ranks import launch_moe_parity
+from tests.moe_ranks import assert_moe_parity, launch_moe_parity
 from tests.plugin_parity_ranks import ParityCase
-from tests.test_dhelix_moe import LLAMA, MOE, assert_mixed_stack_parity
+from tests.test_dhelix_moe import FP32_EVAL, FP32_GRAD, FP32_LOSS, FP32_PARAM, LLAMA, MOE
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -70,7 +70,8 @@ def _moe_layers(entry) -> list:
 def test_losses_aux_losses_and_gradients_equal_megatron_1f1b(report):
     # every gradient of both stages; load-balancing losses per layer over the pipeline
     for entry in report:
-        assert_mixed_stack_parity(entry, STEPS, PATTERNS[entry["case"]])
+        assert_moe_parity(entry, STEPS, [bool(kind) for kind in PATTERNS[entry["case"]]],
+                          dict(loss=FP32_LOSS, grad=FP32_GRAD, param=FP32_PARAM, eval=FP32_EVAL))
 
 
 def test_router_decisions_are_identical(report):

@@ -1,11 +1,15 @@
-"""Megatron's own MoE layer through the plugin on CPU gloo ranks (stock Megatron: `--dhelix`
-refuses MoE in one line, tests/test_megatron_lm_refusals.py), in one 4-rank launch:
+"""Megatron's own MoE layer through the plugin on CPU gloo ranks, in one 4-rank launch:
 
 - EP=2 (DP=4): 4 experts, top-2 routing, the all-to-all token dispatcher
   (`all_to_all_single` with split sizes known only after routing), the load-balancing loss;
 - TP=2 x EP=2 with sequence parallelism, a mixed dense/MoE stack (`--moe-layer-freq`),
   shared experts and a separate expert FFN size: the dispatcher's uneven all-gather and
-  reduce-scatter over the TP group.
+  reduce-scatter over the TP group;
+- `--dhelix` with TP=2 x EP=2, sequence parallelism and expert TP 1 (DP=2; the MoE layers
+  as operators, tests/moe_ranks.py `moe_parity`): losses, the load-balancing loss of every
+  layer and every gradient equal Megatron's own schedule from the same seed and data, and
+  every router call routes the same tokens to the same experts. (EP=2 at TP=1 and the
+  refusals: tests/test_dhelix_moe.py, tests/test_megatron_lm_refusals.py.)
 
 Needs the CPU shims' `Tensor.new_*` device mapping, MoE split sizes and uneven gathers
 (`megatron_patches/cpu_shims.py`, checked here against their expected values)."""
@@ -15,7 +19,9 @@ import math
 import pytest
 
 from dhelix.harness import run_on_ranks
-from tests.moe_ranks import stock_moe_steps
+from tests.engine_checks import assert_ran_on_the_engine
+from tests.moe_ranks import assert_moe_parity, stock_moe_and_parity
+from tests.plugin_parity_ranks import ParityCase
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -31,10 +37,24 @@ CASES = {
 }
 
 
+# --dhelix parity at TP=2 x EP=2 with SP: 3 of 4 layers MoE (MoE x MoE, MoE x dense and
+# dense x MoE layer pairs), DP=2, 3 micro-batches of 2 x 64 tokens per rank and step
+TP_EP = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+         "alltoall", "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type",
+         "aux_loss", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-ffn-hidden-size",
+         "192", "--moe-layer-freq", "[1,1,0,1]", "--global-batch-size", "12")
+PARITY = {"tp2_ep2_sp": ParityCase(TP_EP, ("--dhelix",))}
+PARITY_STEPS = 2
+FP32_LOSS = 1e-6
+FP32_GRAD = 2e-7
+FP32_PARAM = 2e-7
+
+
 @pytest.fixture(scope="module")
 def report():
-    return run_on_ranks(stock_moe_steps, 4, CASES, 3, timeout_s=400,
-                        env={"OMP_NUM_THREADS": "1"})
+    return run_on_ranks(stock_moe_and_parity, 4, CASES, 3, PARITY, PARITY_STEPS,
+                        timeout_s=400, env={"OMP_NUM_THREADS": "1"})
 
 
 def _trained(entry):
@@ -62,3 +82,40 @@ def test_tensor_and_expert_parallel_moe_with_a_mixed_stack(report):
         assert entry["local_experts"] == [2, 2]  # layers 1 and 3 are MoE, 2 and 4 dense
         assert entry["gather_ok"] and entry["scatter_ok"]
         _trained(entry)
+
+
+def test_dhelix_tp2_ep2_sp_moe_equals_megatron(report):
+    """Losses, the load-balancing loss of every layer (each rank's own value, whose tokens
+    per expert Megatron all-reduces over the TP group) and every gradient, parameters after
+    the step and the evaluation loss equal Megatron's own schedule."""
+    for rank in report:
+        assert_moe_parity(rank["tp2_ep2_sp"], PARITY_STEPS, [True, True, False, True],
+                          dict(loss=FP32_LOSS, grad=FP32_GRAD, param=FP32_PARAM,
+                               eval=FP32_LOSS))
+
+
+def test_dhelix_tp2_ep2_sp_routes_like_megatron(report):
+    for rank in report:
+        entry = rank["tp2_ep2_sp"]
+        assert entry["routing_equal"] and entry["moe_layers"] == [1, 2, 4]
+        # 3 MoE layers x 3 micro-batches x 2 steps; each call routes this rank's sequence
+        # shard (64 / TP tokens x 2 sequences), top-2
+        assert entry["router_calls"] == 3 * 3 * PARITY_STEPS
+        assert entry["routed_pairs"] == 3 * 3 * PARITY_STEPS * 32 * 2 * 2
+
+
+def test_dhelix_tp2_ep2_sp_moe_ran_as_operators_on_lanes(report):
+    for rank in report:
+        entry = rank["tp2_ep2_sp"]
+        assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
+        # the attention half all-gathers (SP); the MoE half does not: each TP rank routes
+        # its sequence shard, and the router's aux-loss counts are all-reduced over TP
+        fwd = entry["moe_fwd_ops"]
+        assert fwd[fwd.index("ln2"):] == [
+            "ln2", "router", "aux.counts.ar", "router.aux", "counts.ag", "permute",
+            "dispatch.a2a", "experts.sort", "experts.fc1", "experts.act", "experts.fc2",
+            "experts.unsort", "combine.a2a", "unpermute", "bda2"]
+        assert "router.aux.bwd" in entry["moe_bwd_ops"]
+        # both groups' collectives on lanes (one node: intra-node channels)
+        assert entry["lanes"] == [("ep", "intra"), ("tp", "intra")]
+        assert entry["pair_plans"] == 3, entry["describe"]

@@ -29,8 +29,15 @@ REFUSED = {
     "moe grouped gemm": (MOE + ["--moe-grouped-gemm"], "--moe-grouped-gemm"),
     "moe expert tensor parallel": (MOE + ["--expert-tensor-parallel-size", "2"],
                                    "--expert-tensor-parallel-size"),
-    "moe with tensor parallel": (MOE + ["--tensor-model-parallel-size", "2"],
-                                 "--tensor-model-parallel-size 1"),
+    "moe with tensor parallel, no SP": (MOE + ["--tensor-model-parallel-size", "2"],
+                                        "--sequence-parallel"),
+    # Megatron's default expert TP is the TP size: TP=2 needs an explicit expert TP of 1
+    "moe with tensor parallel, expert TP 2": (MOE + ["--tensor-model-parallel-size", "2",
+                                                     "--sequence-parallel"],
+                                              "--expert-tensor-parallel-size 1"),
+    "moe with tensor parallel and pipelining": (
+        MOE + PP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                     "--expert-tensor-parallel-size", "1"], "--tensor-model-parallel-size 1"),
     "moe sinkhorn balancing": (MOE + ["--moe-router-load-balancing-type", "sinkhorn"],
                                "aux_loss or none"),
     "moe shared experts": (MOE + ["--moe-shared-expert-intermediate-size", "64"],
@@ -113,16 +120,19 @@ def test_dhelix_rules_checked_on_the_validated_run(name, monkeypatch):
     assert current_run().options.enabled is False
 
 
-@pytest.mark.parametrize("layout", [[], PP2], ids=["pp1", "pp2"])
-def test_supported_moe_is_not_refused(monkeypatch, layout):
-    """EP=2 (TP=1) with the alltoall dispatcher and the aux loss, in a mixed dense/MoE stack,
-    without pipelining and with PP=2 (the folded model), passes the `--dhelix` argument
-    checks (tests/test_dhelix_moe.py and tests/test_dhelix_moe_pipeline.py train them)."""
+@pytest.mark.parametrize("parallel", [[], ["--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel",
+                                          "--expert-tensor-parallel-size", "1"], PP2])
+def test_supported_moe_is_not_refused(monkeypatch, parallel):
+    """EP=2 (TP=1, TP=2 with SP and expert TP 1, or TP=1 with PP=2: the folded model) with
+    the alltoall dispatcher and the aux loss, in a mixed dense/MoE stack, passes the
+    `--dhelix` argument checks (tests/test_megatron_lm_moe.py trains it,
+    tests/test_dhelix_moe.py and tests/test_dhelix_moe_pipeline.py check its parity)."""
     monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    code, err = _parse(TINY + layout + ["--train-iters", "1", "--dhelix", *MOE,
-                                        "--moe-layer-freq", "[1,0,1,0]"], validate=True)
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", *MOE, *parallel,
+                               "--moe-layer-freq", "[1,0,1,0]"], validate=True)
     assert code is None, err
 
 

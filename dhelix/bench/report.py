@@ -10,6 +10,12 @@ the timing-only communication-free bound (1.0 = as fast as without communication
 undefined when the bound is not faster than Megatron); peak memory per rank = the compute
 thread's peak tensor bytes during one forward/backward (`dhelix.memtrace`).
 
+Share of the achievable gain = (T_megatron - T_x) / (T_megatron - T_bound), T_bound the
+largest of three floors no schedule of the same step gets under: the link floor (Megatron's
+collectives replayed alone), the comm-free step, and the CPU-work floor (Megatron's CPU work
+per rank x ranks / the host's cores: every rank's threads and the softirq run on the same
+cores, `_cpu_accounting`). Undefined where Megatron is not slower than the bound.
+
 Predicted speedup (rows with a plan, without pipelining): the plan's cost model says how
 much faster one paired layer runs (planned_ms) than the same operators as the sequential
 row runs them - each strand alone, its collectives in flight while it computes what does
@@ -43,20 +49,28 @@ def summarise_config(raw: dict) -> dict:
         spread[name] = (min(per_rep), step[name], max(per_rep))
     t_meg, t_free = step.get("megatron"), step.get("commfree")
     exposed = (t_meg - t_free) if (t_meg is not None and t_free is not None) else None
+    link_floor = _link_floor(ranks, t_meg, t_free)
+    bound = _achievable_bound(link_floor, t_free, _cpu_accounting(ranks, "megatron"),
+                              len(ranks), raw.get("host_cores"))
+    reachable = (t_meg - bound["bound_s"]) if bound and t_meg else None
     rows = []
     for name, run in raw["runs"].items():
         row = {"system": name, "label": run["label"], "timing_only": run["timing_only"],
                "unavailable": run["unavailable"]}
         if name in step:
             t = step[name]
+            predicted = None if run["timing_only"] else _predicted_speedup(
+                ranks[0].get("plan_costs", {}).get(name), t_meg, step.get("ops_sequential"))
             row.update(
                 step_s=t,
                 step_s_min_median_max=spread[name],
-                predicted_speedup=None if run["timing_only"] else _predicted_speedup(
-                    ranks[0].get("plan_costs", {}).get(name), t_meg, step.get("ops_sequential")),
+                predicted_speedup=predicted,
+                predicted_step_s=t_meg / predicted if predicted else None,
                 tokens_per_s=raw["tokens_per_step"] / t,
                 speedup=t_meg / t if t_meg else None,
                 hidden_share=((t_meg - t) / exposed) if exposed and exposed > 0 else None,
+                achievable_share=((t_meg - t) / reachable) if reachable and reachable > 0
+                else None,
                 peak_bytes_per_rank=[r["memory"][name] for r in ranks],
                 step_s_per_rank=[statistics.median(r["times"][name]) for r in ranks],
                 plan=ranks[0]["plans"].get(name),
@@ -67,7 +81,24 @@ def summarise_config(raw: dict) -> dict:
     return {"config": raw["config"], "rows": rows,
             "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
             else None,
-            "link_floor": _link_floor(ranks, t_meg, t_free)}
+            "link_floor": link_floor, "achievable_bound": bound}
+
+
+def _achievable_bound(link_floor: dict | None, t_free: float | None, megatron_cpu: dict | None,
+                      world_size: int, host_cores: int | None) -> dict | None:
+    """T_bound of the share of the achievable gain (module docstring): {"bound_s", "by"
+    (which floor), "link_floor_s", "commfree_s", "cpu_work_floor_s"} (a floor that was not
+    measured is None); None when none was."""
+    floors = {"link floor": link_floor and link_floor["floor_s"], "comm-free step": t_free,
+              "CPU-work floor": (megatron_cpu["cpu_work"] * world_size / host_cores
+                                 if megatron_cpu and host_cores else None)}
+    known = {k: v for k, v in floors.items() if v is not None}
+    if not known:
+        return None
+    by = max(known, key=known.get)
+    return {"bound_s": known[by], "by": by, "link_floor_s": floors["link floor"],
+            "commfree_s": floors["comm-free step"],
+            "cpu_work_floor_s": floors["CPU-work floor"]}
 
 
 def _link_floor(ranks: list, t_meg: float | None, t_free: float | None) -> dict | None:
@@ -96,9 +127,10 @@ def _step_parts(ranks: list, name: str) -> dict | None:
     """Median forward/backward, optimizer and rest (s) of the measured steps, on the rank
     whose recorded step waited longest (the one the timeline table shows)."""
     index = _longest_waiting_rank(ranks, name)
-    if index is None or "step_parts" not in ranks[index]:
+    parts = None if index is None else ranks[index].get("step_parts", {}).get(name)
+    if not parts:
         return None
-    return {k: statistics.median(v) for k, v in ranks[index]["step_parts"][name].items()}
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 CPU_KEYS = ("thread_run", "thread_runnable", "other_threads", "softirq")
@@ -197,31 +229,50 @@ def markdown(results: dict) -> str:
                   f"{_fmt(share, '{:.0%}')} of Megatron's step; cleanup: "
                   f"{entry['cleanup']}.{over}", "",
                   "| system | step (ms) | min / max (ms) | tokens/s | speedup vs Megatron | "
-                  "predicted | comm hidden | peak mem / rank (MiB, max) |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "share of achievable gain | plan predicts (ms) | comm hidden | "
+                  "peak mem / rank (MiB, max) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for row in entry["summary"]["rows"]:
             if emulation:
                 row = {**row, "label": f"{row['label']} (emulated GPU)"}
             if row["unavailable"]:
-                lines.append(f"| {row['label']} | n/a ({row['unavailable']}) | | | | | | |")
+                lines.append(f"| {row['label']} | n/a ({row['unavailable']}) | | | | | | | |")
                 continue
             if "step_s" not in row:
-                lines.append(f"| {row['label']} | not measured | | | | | | |")
+                lines.append(f"| {row['label']} | not measured | | | | | | | |")
                 continue
             hidden = "(bound)" if row["system"] == "commfree" else _fmt(row["hidden_share"],
                                                                         "{:.0%}")
             low, _, high = row.get("step_s_min_median_max") or (None, None, None)
+            achievable = ("-" if row["timing_only"]
+                          else _fmt(row.get("achievable_share"), "{:.0%}"))
+            predicted = (f"{row['predicted_step_s'] * 1e3:.0f} "
+                         f"({row['predicted_speedup']:.3f}x)" if row.get("predicted_step_s")
+                         else "-")
             lines.append(
                 f"| {row['label']} | {row['step_s'] * 1e3:.0f} | "
                 f"{_fmt(low and low * 1e3, '{:.0f}')} / {_fmt(high and high * 1e3, '{:.0f}')} | "
                 f"{row['tokens_per_s']:.0f} | "
-                f"{_fmt(row['speedup'], '{:.3f}x')} | "
-                f"{_fmt(row.get('predicted_speedup'), '{:.3f}x')} | {hidden} | "
+                f"{_fmt(row['speedup'], '{:.3f}x')} | {achievable} | {predicted} | {hidden} | "
                 f"{max(row['peak_bytes_per_rank']) / 2**20:.1f} |")
         lines += [""] + _timeline_table(entry["summary"]["rows"])
         lines += _cpu_table(entry["summary"]["rows"])
         lines += _link_floor_lines(entry["summary"].get("link_floor"))
+        lines += _bound_lines(entry["summary"].get("achievable_bound"))
     return "\n".join(lines)
+
+
+def _bound_lines(bound: dict | None) -> list:
+    """One line: the achievable-gain bound and the floors it is the largest of."""
+    if not bound:
+        return []
+    floors = "; ".join(f"{name} {_fmt(value and value * 1e3, '{:.0f} ms', 'not measured')}"
+                       for name, value in (("link floor", bound["link_floor_s"]),
+                                           ("comm-free step", bound["commfree_s"]),
+                                           ("CPU-work floor", bound["cpu_work_floor_s"])))
+    return [f"Achievable gain: T_bound = {bound['bound_s'] * 1e3:.0f} ms (the {bound['by']}; "
+            f"{floors}); share of achievable gain = (T_megatron - T_x) / (T_megatron - "
+            "T_bound).", ""]
 
 
 def _timeline_table(rows: list) -> list:

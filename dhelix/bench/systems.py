@@ -26,6 +26,11 @@ list for the Domino-style pairing), so the baselines are options of one code pat
   block strictly one after the other): what overlapping them at their seams gains.
 - dhelix_no_memory_bound: the dp plan with `--dhelix-no-memory-bound`: the speed the
   default memory bound gives up, and the memory it saves.
+- megatron_moe_overlap: Megatron with `--overlap-moe-expert-parallel-comm
+  --delay-wgrad-compute` (megatron-core's own inter-micro-batch all-to-all overlap,
+  `pipeline_parallel/combined_1f1b.py`), in MoE configurations; it runs on CUDA streams and
+  events only, so on the benchmark's CPU ranks (the CPU cluster and the emulated GPU cluster
+  alike) its row is "n/a" with that reason.
 
 With PP > 1 every `--dhelix` system runs on the folded model with the W-shaped schedule
 (the pairer decides how each SI block's layer pairs are interleaved); Megatron runs 1F1B.
@@ -96,6 +101,8 @@ class System:
     args: tuple = ()
     timing_only: bool = False
     uses_profile: bool = False
+    moe_only: bool = False  # runs in MoE configurations only
+    cuda_only: str = ""  # why it cannot run on CPU ranks (then always n/a here)
 
 
 SYSTEMS = (
@@ -119,6 +126,11 @@ SYSTEMS = (
     System("dhelix_no_memory_bound", "DHelix, no memory bound",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-memory-bound"),
            uses_profile=True),
+    System("megatron_moe_overlap", "Megatron, its own MoE all-to-all overlap",
+           ("--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"), moe_only=True,
+           cuda_only="megatron-core's --overlap-moe-expert-parallel-comm runs on CUDA streams "
+                     "and events (torch.cuda.Event in models/common/model_chunk_schedule_plan.py"
+                     "); the benchmark's ranks are CPU processes"),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
@@ -134,6 +146,11 @@ class Config:
     pp: int
     description: str
     bandwidth: str = "800mbit"  # default cross-node link (`--bandwidth CONFIG=RATE` wins)
+    extra_args: tuple = ()  # Megatron arguments of the layout beyond TP/PP (EP, MoE layers)
+
+    @property
+    def moe(self) -> bool:
+        return "--num-experts" in self.extra_args
 
     @property
     def world_size(self) -> int:
@@ -147,8 +164,16 @@ class Config:
         return self.world_size > (cores or os.cpu_count() or 1)
 
     def parallel_args(self) -> list:
+        """The layout's Megatron arguments (added after the model's, so they win)."""
         return ["--tensor-model-parallel-size", str(self.tp),
-                "--pipeline-model-parallel-size", str(self.pp)]
+                "--pipeline-model-parallel-size", str(self.pp), *self.extra_args]
+
+
+# Configuration (e)'s MoE MLP: every layer's MLP becomes megatron-core's MoE layer, top-2 of
+# 4 experts (FFN size from the model), alltoall dispatcher, auxiliary load-balancing loss
+MOE_ARGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+            "alltoall", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff",
+            "1e-2")
 
 
 CONFIGS = {
@@ -164,6 +189,18 @@ CONFIGS = {
     # its intra-node links are not emulated, so (c)'s TP traffic would cost next to nothing)
     "d": Config("d", 4, 1, tp=2, pp=2,
                 description="4 nodes x 1 rank, TP=2 and PP=2 across nodes"),
+    # MoE: the dispatch and combine all-to-alls cross the shaped link (DP=2 = EP=2)
+    "e": Config("e", 2, 1, tp=1, pp=1,
+                description="2 nodes x 1 rank, EP=2 across nodes, MoE top-2 of 4 experts",
+                extra_args=(*MOE_ARGS, "--expert-model-parallel-size", "2")),
+    # (e) with TP=2 (sequence parallel, expert TP 1) beside EP=2: 4 nodes x 1 rank so the TP
+    # collectives and the all-to-alls both cross shaped links (Megatron puts an EP group's
+    # ranks next to each other when expert TP is 1, so on 2 x 2 both would stay in a node)
+    "e2": Config("e2", 4, 1, tp=2, pp=1,
+                 description="4 nodes x 1 rank, TP=2 (SP) and EP=2 across nodes, MoE top-2 of "
+                             "4 experts",
+                 extra_args=(*MOE_ARGS, "--expert-model-parallel-size", "2",
+                             "--sequence-parallel", "--expert-tensor-parallel-size", "1")),
 }
 
 
@@ -176,6 +213,12 @@ class SystemRun:
     args: list = field(default_factory=list)
     label: str = ""
     unavailable: str | None = None
+
+
+def config_systems(config: Config, systems=SYSTEMS) -> list:
+    """The systems of `systems` that have a row in `config`: MoE-only ones in MoE
+    configurations only."""
+    return [s for s in systems if config.moe or not s.moe_only]
 
 
 def plan_system(system: System, config: Config, base_args: list,
@@ -193,6 +236,9 @@ def plan_system(system: System, config: Config, base_args: list,
         else:
             label += " (analytic-cost plan, no profile)"
     run = SystemRun(system, args, label)
+    if system.cuda_only:
+        run.unavailable = system.cuda_only
+        return run
     try:
         parse_megatron_args([*RUN_ARGS, *base_args, *config.parallel_args(), *args],
                             config.world_size)

@@ -117,10 +117,11 @@ class LayerDescription:
                                         f"{', '.join(ATTENTION_CHOICES)}")
         if self.moe is not None and self.moe.problems():
             raise UnsupportedLayerError("; ".join(self.moe.problems()))
-        if self.moe is not None and tp != 1:
+        if self.moe is not None and tp != 1 and not self.sequence_parallel:
             raise UnsupportedLayerError(
-                f"MoE layers run as operators with tensor-parallel size 1 only (got {tp}); "
-                "use --tensor-model-parallel-size 1 with --expert-model-parallel-size")
+                f"MoE layers with tensor-parallel size {tp} run as operators with sequence "
+                "parallelism only (Megatron's MoE layer refuses to train without it); add "
+                "--sequence-parallel")
 
     # ------------------------------------------------------------- derived sizes
     @property

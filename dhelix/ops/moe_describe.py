@@ -4,8 +4,9 @@ operators depend on, and the one place that says which MoE configurations they i
 Supported: top-k routing by megatron-core's `TopKRouter` (softmax or sigmoid scores, with
 the auxiliary load-balancing loss `aux_loss` or no balancing loss), the all-to-all token
 dispatcher (dropless: no capacity factor), local experts run by `SequentialMLP` (the local
-spec without `--moe-grouped-gemm`), expert tensor parallelism 1 and tensor parallelism 1
-(`megatron_patches.moe_support`, which the `--dhelix` argument checks share). Everything
+spec without `--moe-grouped-gemm`), expert tensor parallelism 1, and tensor parallelism 1
+or larger with sequence parallelism (each TP rank routes its own sequence shard;
+`megatron_patches.moe_support`, which the `--dhelix` argument checks share). Everything
 else raises `UnsupportedLayerError` naming the setting.
 """
 

@@ -39,6 +39,10 @@ class RouterForward(Kernel):
 
     def run(self, op, state):
         moe = _moe(state, op)
+        params = state.binding.own_params(f"{op.attrs['module']}.router")
+        if op.attrs.get("defer_aux"):
+            _route_deferring_aux_loss(op, state, moe, params)
+            return
         routing = {}
 
         def region(inputs):
@@ -46,10 +50,55 @@ class RouterForward(Kernel):
             return probs
 
         (probs,), graph = LocalGraph.trace(op.id, region, {"x": state.take(op.inputs[0])},
-                                           state.binding.own_params(f"{op.attrs['module']}.router"))
+                                           params)
         state.put(op.outputs[0], probs)
         state.put(op.outputs[1], routing.pop("map"))
         state.put(op.outputs[2], graph)
+
+
+def _route_deferring_aux_loss(op, state, moe, params) -> None:
+    """The router with its auxiliary loss left for `router_aux_fwd`: outputs (probabilities
+    without the loss, routing map, the aux-loss scores - None when the router attaches no
+    loss, as in evaluation -, this rank's token counts per expert for the loss - zeros
+    then -, graph)."""
+    routing = {}
+
+    def region(inputs):
+        route = moe_regions.route_deferring_aux_loss(moe, inputs.pop("x"))
+        routing.update(map=route.routing_map, counts=route.local_counts)
+        return (route.probs,) if route.scores is None else (route.probs, route.scores)
+
+    outputs, graph = LocalGraph.trace(op.id, region, {"x": state.take(op.inputs[0])}, params)
+    probs, scores = outputs if len(outputs) == 2 else (outputs[0], None)
+    for name, value in zip(op.outputs, (probs, routing.pop("map"), scores,
+                                        routing.pop("counts"), graph)):
+        state.put(name, value)
+
+
+@register_kernel
+class RouterAuxLoss(Kernel):
+    """Megatron's auxiliary load-balancing loss from the aux-loss scores and the token
+    counts per expert reduced over the tensor-parallel group, attached to the routing
+    probabilities and recorded in Megatron's MoE metrics tracker
+    (`moe_regions.attach_aux_loss`). Inputs (probabilities, scores or None, reduced
+    counts); outputs (probabilities with the loss attached, graph)."""
+
+    name, kind, op_class = "router_aux_fwd", "comp", "router"
+
+    def run(self, op, state):
+        moe = _moe(state, op)
+        probs, scores, counts = (state.take(name) for name in op.inputs)
+        entered = {"probs": probs}
+        if scores is not None:
+            entered["scores"] = scores
+
+        def region(inputs):
+            return moe_regions.attach_aux_loss(moe, inputs.pop("probs"), inputs.pop("scores", None),
+                                               counts)
+
+        (output,), graph = LocalGraph.trace(op.id, region, entered, ())
+        state.put(op.outputs[0], output)
+        state.put(op.outputs[1], graph)
 
 
 @register_kernel

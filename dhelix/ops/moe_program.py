@@ -25,6 +25,12 @@ input of the MLP half (`ln2.out`) feeds two readers, the router and the permutat
 gradient is the sum of their two gradients (`ln2.grad_sum`; two terms, so the sum is
 bit-identical to autograd's accumulation in either order).
 
+At TP > 1 (sequence parallelism, expert TP 1) with the aux loss, `router` becomes
+`router, aux.counts.ar, router.aux` forward and `router.aux.bwd, router.bwd` backward
+(`aux_over_tp`): the router's all-reduce of token counts for the loss on the TP lane.
+Each TP rank routes its own sequence shard; nothing else changes (the dispatcher's TP
+group is the expert-TP group, of size 1).
+
 Token-row values are `[rows, hidden]` (`[rows]` for the routing probabilities): `T` routed
 tokens of this rank (s * b), `T*k` rows after the permutation, and a variable number of
 rows received from the expert-parallel group (`VariableDim` "recv", bounded by
@@ -153,6 +159,41 @@ def _experts_backward(b, recv) -> None:
          grads_of=("x", "probs"))
 
 
+def aux_over_tp(d) -> bool:
+    """True when the router's auxiliary load-balancing loss needs the token counts of the
+    whole tensor-parallel group (TP > 1: each rank routes its sequence-parallel shard, and
+    Megatron's router all-reduces the counts per expert over its TP x CP group before it
+    computes the loss): the router is then three operators, `router`, `aux.counts.ar`
+    and `router.aux`, so that all-reduce runs on the strand's TP lane."""
+    return d.tp_size > 1 and d.moe.aux_loss
+
+
+def _router_with_aux_over_tp(b, tokens: int) -> None:
+    """The router as gating and top-k (`router`: the probabilities without the auxiliary
+    loss, the routing map, the aux-loss scores and this rank's token counts per expert),
+    the asynchronous all-reduce of those counts over the TP group (`aux.counts.ar`), and
+    the auxiliary loss computed from the reduced counts and attached to the probabilities
+    (`router.aux`), as Megatron's `TopKRouter._apply_aux_loss` does in one call."""
+    d = b.desc
+    moe, h, e = d.moe, d.hidden_size, d.moe.num_experts
+    _rows(b, "router.probs.raw", tokens, e)
+    _rows(b, "router.aux.counts", e)
+    b.op("fwd", "router", "router_fwd", COMP, "router", ["ln2.out"],
+         ["router.probs.raw", "router.map", b.aux("router.scores"), "router.aux.counts",
+          b.graph("router.graph")],
+         b.key("router.fwd", t=tokens, h=h, e=e, k=moe.topk, aux=moe.aux_loss), module="mlp",
+         defer_aux=True)
+    _rows(b, "router.aux.counts.sum", e)
+    b.op("fwd", "aux.counts.ar", "all_reduce", COMM, "all_reduce", ["router.aux.counts"],
+         ["router.aux.counts.sum"],
+         cost_key("all_reduce", "int64", {"shape": e}, group_size=d.tp_size,
+                  channel=d.tp_channel), group="tp", inplace=True)
+    b.op("fwd", "router.aux", "router_aux_fwd", COMP, "router",
+         ["router.probs.raw", "router.scores", "router.aux.counts.sum"],
+         ["router.probs", b.graph("router.aux.graph")],
+         b.key("router_aux.fwd", t=tokens, e=e, k=moe.topk), module="mlp")
+
+
 def moe_forward(b, norm) -> None:
     """Forward ops of the MoE MLP half from `h1` to `y`; `norm(b)` emits `ln2`."""
     d = b.desc
@@ -161,9 +202,13 @@ def moe_forward(b, norm) -> None:
     norm(b)
     b.aux("router.map")
     _rows(b, "router.probs", tokens, e)
-    b.op("fwd", "router", "router_fwd", COMP, "router", ["ln2.out"],
-         ["router.probs", "router.map", b.graph("router.graph")],
-         b.key("router.fwd", t=tokens, h=h, e=e, k=moe.topk, aux=moe.aux_loss), module="mlp")
+    if aux_over_tp(d):
+        _router_with_aux_over_tp(b, tokens)
+    else:
+        b.op("fwd", "router", "router_fwd", COMP, "router", ["ln2.out"],
+             ["router.probs", "router.map", b.graph("router.graph")],
+             b.key("router.fwd", t=tokens, h=h, e=e, k=moe.topk, aux=moe.aux_loss),
+             module="mlp")
     _rows(b, "counts", moe.ep_size * e)
     b.op("fwd", "counts.ag", "moe_token_counts", COMM, "all_gather", ["router.map"], ["counts"],
          cost_key("all_gather", "int64", {"shape": moe.ep_size * e},
@@ -223,8 +268,16 @@ def moe_backward(b, norm_backward) -> None:
          ["permute.graph", "d.permute.tokens", "d.permute.probs"],
          ["d.ln2.out.tokens", "d.router.probs"],
          b.key("permute.bwd", t=tokens, h=h, e=e, k=moe.topk), grads_of=("x", "probs"))
+    router_grads = ["d.router.probs"]
+    if aux_over_tp(d):
+        _rows(b, "d.router.probs.raw", tokens, e)
+        _rows(b, "d.router.scores", tokens, e)
+        b.op("bwd", "router.aux.bwd", "graph_bwd", COMP, "router",
+             ["router.aux.graph", "d.router.probs"], ["d.router.probs.raw", "d.router.scores"],
+             b.key("router_aux.bwd", t=tokens, e=e, k=moe.topk), grads_of=("probs", "scores"))
+        router_grads = ["d.router.probs.raw", "d.router.scores"]
     b.tensor("d.ln2.out.router", s, h)
-    b.op("bwd", "router.bwd", "graph_bwd", COMP, "router", ["router.graph", "d.router.probs"],
+    b.op("bwd", "router.bwd", "graph_bwd", COMP, "router", ["router.graph", *router_grads],
          ["d.ln2.out.router"], b.key("router.bwd", t=tokens, h=h, e=e, k=moe.topk,
                                      aux=moe.aux_loss), grads_of=("x",))
     b.tensor("d.ln2.out", s, h)

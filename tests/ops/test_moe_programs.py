@@ -130,9 +130,41 @@ def test_unsupported_moe_settings_are_named(change, message):
         check_supported_config(replace(moe, **change))
 
 
-def test_moe_with_tensor_parallelism_is_refused():
-    with pytest.raises(UnsupportedLayerError, match="tensor-parallel size 1"):
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
+    with pytest.raises(UnsupportedLayerError, match="--sequence-parallel"):
         replace(describe_moe(), tp_size=2, tp_ranks=(0, 1), num_query_groups=4)
+
+
+def test_moe_with_tensor_and_sequence_parallelism():
+    """TP=2 with SP (expert TP 1): the MoE half works on the rank's sequence shard (s/tp
+    tokens, no all-gather around the experts); the router's aux-loss token counts are
+    all-reduced over the TP group by their own operator between the router and the
+    loss, on the TP channel, while the token exchange stays on the EP channel."""
+    desc = replace(describe_moe(ranks_per_node=2, ep_ranks=(0, 2)), tp_size=2,
+                   tp_ranks=(0, 1), sequence_parallel=True)
+    programs = build_layer_programs(desc)
+    fwd, bwd = programs.forward, programs.backward
+    moe_fwd = fwd.ids[fwd.ids.index("ln2"):]
+    assert moe_fwd[:4] == ["ln2", "router", "aux.counts.ar", "router.aux"]
+    assert moe_fwd[4:] == MOE_FWD[2:]
+    ar = fwd["aux.counts.ar"]
+    assert (ar.kind, ar.op_class, ar.attrs["group"], ar.channel) == ("comm", "all_reduce",
+                                                                     "tp", "intra")
+    assert fwd["dispatch.a2a"].channel == "inter" and fwd["dispatch.a2a"].attrs["group"] == "ep"
+    assert set(fwd["router.aux"].deps) == {"router", "aux.counts.ar"}
+    assert set(fwd["permute"].deps) >= {"router.aux"}
+    # the router's backward takes the probabilities' gradient through the aux-loss graph
+    assert bwd["router.aux.bwd"].deps == ("permute.bwd",)
+    assert bwd["router.bwd"].deps == ("router.aux.bwd",)
+    # rows of this rank's sequence shard: s/tp * b tokens
+    assert programs.values["router.probs"].shape == (4 * 2, 4)
+    assert programs.values["permute.tokens"].shape == (4 * 2 * 2, 64)
+    # without the aux loss the router is one operator, with no TP communication
+    plain = build_layer_programs(replace(desc, moe=replace(desc.moe, aux_loss=False)))
+    tp_comm = [op.id for op in (*plain.forward.ops, *plain.backward.ops)
+               if op.kind == "comm" and op.attrs["group"] == "tp"]
+    assert tp_comm and all(op.startswith(("qkv.", "proj.")) for op in tp_comm), tp_comm
+    assert "router.aux" not in plain.forward.ids
 
 
 def test_analytic_planner_pairs_moe_with_dense_and_moe_layers():
