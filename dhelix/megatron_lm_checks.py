@@ -46,9 +46,10 @@ def _refusals(args):
     moe_problems = check_supported_moe(args) if moe else []
     yield (bool(moe_problems),
            f"--dhelix with MoE (--num-experts): {moe_problems[0] if moe_problems else ''}")
-    yield (moe and pp > 1,
-           "--dhelix with MoE (--num-experts) runs without pipelining; use "
-           "--pipeline-model-parallel-size 1")
+    yield (moe and pp > 1 and _arg(args, "tensor_model_parallel_size", 1) > 1,
+           "--dhelix with MoE (--num-experts) and --pipeline-model-parallel-size > 1 runs "
+           "with --tensor-model-parallel-size 1 (MoE with TP > 1 is held to Megatron's "
+           "schedule without pipelining only); use TP 1 or PP 1")
     yield (moe and _arg(args, "dhelix_pairer") == "domino",
            "--dhelix-pairer domino does not support MoE layers; use the default pairer")
     yield (_arg(args, "context_parallel_size", 1) > 1
@@ -111,7 +112,7 @@ def check_dhelix_args(args) -> None:
     """Raise `UnsupportedArgument` for the first Megatron argument `--dhelix` cannot honour
     (virtual pipelining, uneven pipeline stages, recomputation, fp16/fp8/fp4, MoE settings
     the MoE operators do not implement (`megatron_patches.moe_support`) and MoE with
-    pipelining or the Domino split, context parallelism, multi-token prediction, FSDP, TE's TP
+    TP > 1 and pipelining or with the Domino split, context parallelism, multi-token prediction, FSDP, TE's TP
     overlap, reset attention masks, Transformer Engine layers; with PP > 1 also overlapped
     gradient reduction and per-token loss); return None when the run is supported.
     Dropout, layer counts and the `--dhelix*` options are checked on the typed run

@@ -89,6 +89,19 @@ def build_numbered_layer(spec: ModuleSpec, config: TransformerConfig, number: in
     return layer
 
 
+def layer_specs(spec, num_layers: int) -> list:
+    """One layer spec per global layer (0-based): `spec` repeated when it is one
+    `ModuleSpec`, else `spec` itself, which must then list `num_layers` specs (a stack of
+    different layers, e.g. MoE and dense layers of a `--moe-layer-freq` pattern)."""
+    if isinstance(spec, ModuleSpec):
+        return [spec] * num_layers
+    specs = list(spec)
+    if len(specs) != num_layers or not all(isinstance(s, ModuleSpec) for s in specs):
+        raise FoldedModelError(f"the folded model needs one layer spec or one per layer "
+                               f"({num_layers}); got {len(specs)} entries")
+    return specs
+
+
 class FoldedTransformerBlock(TransformerBlock):
     """A TransformerBlock whose layers carry given global layer numbers instead of the
     contiguous range Megatron derives from the pipeline rank. Forward is TransformerBlock's."""
@@ -132,7 +145,8 @@ class FoldedTransformerBlock(TransformerBlock):
 
 
 class FoldedDecoder(MegatronModule):
-    """The two layer chunks of one stage: `chunks[0]` (first half, going down the pipeline)
+    """The two layer chunks of one stage (`spec`: one layer spec, or one per global layer,
+    `layer_specs`): `chunks[0]` (first half, going down the pipeline)
     and `chunks[1]` (mirrored second half, coming back), the latter with the final norm on
     stage 0. Checkpoint keys are those of a single stock `decoder`.
 
@@ -140,17 +154,18 @@ class FoldedDecoder(MegatronModule):
     its global 0-based layer indices); FoldedGPTModel uses it to draw every chunk from the
     stock stage's RNG stream."""
 
-    def __init__(self, config: TransformerConfig, spec: ModuleSpec, final_norm,
+    def __init__(self, config: TransformerConfig, spec, final_norm,
                  layout: FoldedLayout, stage: int, pg_collection: ProcessGroupCollection,
                  chunk_rng=None):
         super().__init__(config=config)
         self.input_tensor = None  # read by Megatron's rotary helpers; inputs are explicit here
+        specs = layer_specs(spec, layout.num_layers)
         blocks = []
         for chunk in (FIRST_HALF, SECOND_HALF):
             has_final_norm = stage == 0 and chunk == SECOND_HALF
             layers = layout.chunk_layers(stage, chunk)
             sub = FoldedBlockSubmodules(
-                layer_specs=[spec] * len(layers),
+                layer_specs=[specs[g] for g in layers],
                 layer_norm=final_norm if has_final_norm else None,
                 global_layer_numbers=[g + 1 for g in layers],
             )
@@ -192,6 +207,8 @@ class FoldedGPTModel(GPTModel):
     """One pipeline stage of a folded GPT: GPTModel's embedding/output/loss (stage 0 only)
     around a `FoldedDecoder`. `forward(..., chunk=c)` runs one chunk of one micro-batch.
 
+    `transformer_layer_spec` is one layer spec for every layer, or a list of one per global
+    layer (`layer_specs`: a `--moe-layer-freq` stack of MoE and dense layers).
     `pre_process` and `post_process` are both True on stage 0 (embedding and output layer
     live there) and both False elsewhere. `seed` is the `--seed` Megatron's stages were
     seeded from: every parameter gets stock Megatron's initial value for it (module
@@ -200,10 +217,9 @@ class FoldedGPTModel(GPTModel):
     it is replayed after each stage seeding.
     """
 
-    def __init__(self, config: TransformerConfig, transformer_layer_spec: ModuleSpec,
-                 final_norm, layout: FoldedLayout, stage: int, vocab_size: int,
-                 max_sequence_length: int, *, seed: int,
-                 share_embeddings_and_output_weights: bool = True,
+    def __init__(self, config: TransformerConfig, transformer_layer_spec, final_norm,
+                 layout: FoldedLayout, stage: int, vocab_size: int, max_sequence_length: int,
+                 *, seed: int, share_embeddings_and_output_weights: bool = True,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
                  rotary_base: int = 10000, pg_collection: ProcessGroupCollection | None = None,
                  rng_prelude=None):
@@ -238,7 +254,7 @@ class FoldedGPTModel(GPTModel):
         self.layout = layout
         self.stage = stage
         self._init_seed = seed
-        self._layer_spec = transformer_layer_spec
+        self._layer_specs = layer_specs(transformer_layer_spec, layout.num_layers)
         self._embedding_type = position_embedding_type
         self.decoder = FoldedDecoder(config, transformer_layer_spec, final_norm, layout, stage,
                                      self.pg_collection, chunk_rng=self._stock_stream)
@@ -264,7 +280,8 @@ class FoldedGPTModel(GPTModel):
                     max_sequence_length=self.max_sequence_length,
                     position_embedding_type=self._embedding_type, tp_group=self.pg_collection.tp)
             for g in range(layers[0] - index, layers[0]):
-                build_numbered_layer(self._layer_spec, self.config, g + 1, self.pg_collection)
+                build_numbered_layer(self._layer_specs[g], self.config, g + 1,
+                                     self.pg_collection)
             yield
             if (layers[-1] == self.layout.num_layers - 1 and self.post_process
                     and not self.share_embeddings_and_output_weights):

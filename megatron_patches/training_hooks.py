@@ -196,12 +196,14 @@ def build_folded_stage(model_config, pg_collection, seed: int):
     spec = model_config.transformer_layer_spec
     if spec is None:
         spec = default_layer_spec(model_config, None)
+        if not isinstance(spec, ModuleSpec):
+            spec = _moe_layer_specs(model_config, spec)
     elif not isinstance(spec, ModuleSpec) and callable(spec):
         spec = spec(model_config)
-    if not isinstance(spec, ModuleSpec):
+    if not isinstance(spec, (ModuleSpec, list)):
         _fail("--dhelix with --pipeline-model-parallel-size > 1 needs one transformer-layer "
-              "spec for every layer; this model has a block spec (MoE, heterogeneous or "
-              "experimental layers)")
+              "spec for every layer, or Megatron's MoE block spec; this model has another "
+              "block spec (heterogeneous or experimental layers)")
     vocab = model_config.vocab_size
     if model_config.should_pad_vocab:
         from megatron.training.vocab_utils import calculate_padded_vocab_size
@@ -221,6 +223,30 @@ def build_folded_stage(model_config, pg_collection, seed: int):
         pg_collection=pg_collection,
         rng_prelude=functools.partial(initialize._warmup_jit_function,
                                       tp_size=config.tensor_model_parallel_size))
+
+
+def _moe_layer_specs(model_config, stage_block):
+    """Every global layer's spec of the MoE stack `default_layer_spec` gave this stage as
+    `stage_block` (Megatron's `get_gpt_decoder_block_spec`: the `--moe-layer-freq` pattern's
+    MoE and dense layer specs, sliced to the stock stage's layers), from the same
+    `get_gpt_decoder_layer_specs` call before slicing; `stage_block` returned unchanged when
+    it is not that spec (no MoE, or this stage's slice differs). Specs are compared by
+    their repr: Megatron's MoE layer specs hold `functools.partial` objects, which compare
+    by identity, and a repr names the same classes, functions and arguments."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = model_config.transformer
+    if config.num_moe_experts is None:
+        return stage_block
+    specs = get_gpt_decoder_layer_specs(
+        config, config.transformer_impl == "transformer_engine",
+        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+    offset = get_transformer_layer_offset(config)
+    stage_specs = list(getattr(stage_block, "layer_specs", ()))
+    if repr(specs[offset:offset + len(stage_specs)]) != repr(stage_specs):
+        return stage_block
+    return list(specs)
 
 
 def _hook_model_builder(gpt_models) -> None:

@@ -80,11 +80,45 @@ def _record_routing(model) -> tuple[dict, list]:
     return maps, handles
 
 
-def _moe_steps(run, steps: int) -> dict:
+def _whole_pipeline(run, maps: dict, balance):
+    """This rank's routing maps ({layer number: calls}) and load-balancing losses (one
+    value per layer, None when none was recorded) joined with those of the other stages of
+    its pipeline (Megatron's pipeline group: the same data-parallel and expert-parallel
+    position), so stock Megatron's stages and the folded model's, which hold different
+    layers, compare layer by layer. Each layer lives on one stage; its values are summed
+    over the stages as Megatron's MoE logging reduces them. Collective over the pipeline
+    group (the values unchanged without pipelining)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with run.active():
+        group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return maps, balance
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (maps, balance), group=group)
+    joined, total = {}, None
+    for stage_maps, stage_balance in everyone:
+        for layer, calls in stage_maps.items():
+            if layer in joined:
+                raise AssertionError(f"layer {layer} routed on two pipeline stages")
+            joined[layer] = calls
+        if stage_balance is not None:
+            total = stage_balance.clone() if total is None else total + stage_balance
+    return joined, total
+
+
+def _moe_steps(run, steps: int, poison_aux_scale: bool = False) -> dict:
     """`steps` observed steps (`tests.plugin_parity_ranks.observed_step`) with, per step,
     the routing maps of every router call and the load-balancing loss Megatron's MoE
-    tracker recorded per layer."""
+    tracker recorded per layer, each over the whole pipeline (`_whole_pipeline`).
+    `poison_aux_scale`: before each step set Megatron's aux-loss gradient scale
+    (`MoEAuxLossAutoScaler`, process-wide) to a wrong value, so a stage whose schedule does
+    not set it as Megatron's does back-propagates wrong load-balancing gradients."""
+    import torch
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from tests.plugin_parity_ranks import observed_step
 
@@ -92,6 +126,8 @@ def _moe_steps(run, steps: int) -> dict:
     for _ in range(steps):
         tracker = get_moe_metrics_tracker()
         tracker.clear()
+        if poison_aux_scale:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor([123.0])
         with run.active():
             maps, handles = _record_routing(run.model)
         try:
@@ -99,9 +135,11 @@ def _moe_steps(run, steps: int) -> dict:
         finally:
             for handle in handles:
                 handle.remove()
-        out["routing"].append(maps)
         balance = tracker.metrics.get("load_balancing_loss")
-        out["aux"].append(None if balance is None else balance.values.clone())
+        maps, balance = _whole_pipeline(
+            run, maps, None if balance is None else balance.values.clone())
+        out["routing"].append(maps)
+        out["aux"].append(balance)
     return out
 
 
@@ -176,7 +214,7 @@ def moe_parity(ctx, cases: dict, steps: int, workdir: str | None = None) -> dict
             setup = run.dhelix
             moe_programs = [b.programs for b in setup.runner.bound_layers
                             if b.description.moe is not None]
-            got = _moe_steps(run, steps)
+            got = _moe_steps(run, steps, poison_aux_scale=True)
             trained = engine_record(run)
             eval_diff = abs(eval_loss(stock) - eval_loss(run))
             report[name] = {
@@ -233,3 +271,12 @@ def assert_moe_parity(entry: dict, steps: int, moe_pattern: list, tolerance: dic
         assert ref is not None and got is not None
         assert [v > 0 for v in ref] == list(moe_pattern), ref
         assert max(abs(a - b) for a, b in zip(ref, got)) <= tolerance["loss"], (ref, got)
+
+
+def launch_moe_parity(world_size: int, cases: dict, steps: int, workdir: str) -> list:
+    """One launch of `moe_parity` on `world_size` gloo ranks, one rank per emulated node
+    (every expert-parallel group spans nodes), one thread per rank: every rank's report."""
+    from dhelix.harness import run_on_ranks
+
+    return run_on_ranks(moe_parity, world_size, cases, steps, workdir, timeout_s=400,
+                        env={"OMP_NUM_THREADS": "1", "DHELIX_RANKS_PER_NODE": "1"})

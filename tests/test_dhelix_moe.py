@@ -11,9 +11,8 @@ made from that profile, with the same checks. One launch (tests/moe_ranks.py
 
 import pytest
 
-from dhelix.harness import run_on_ranks
 from tests.engine_checks import assert_ran_on_the_engine
-from tests.moe_ranks import PROFILE, assert_moe_parity, moe_parity
+from tests.moe_ranks import PROFILE, assert_moe_parity, launch_moe_parity
 from tests.plugin_parity_ranks import ParityCase
 
 pytestmark = pytest.mark.slow  # multi-process
@@ -44,9 +43,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    return run_on_ranks(moe_parity, 2, CASES, STEPS, str(tmp_path_factory.mktemp("moe")),
-                        timeout_s=400, env={"OMP_NUM_THREADS": "1",
-                                            "DHELIX_RANKS_PER_NODE": "1"})
+    return launch_moe_parity(2, CASES, STEPS, str(tmp_path_factory.mktemp("moe")))
 
 
 @pytest.fixture(scope="module", params=["ep2_mixed_dp", "ep2_mixed_llama_round_robin",

@@ -35,7 +35,9 @@ REFUSED = {
     "moe with tensor parallel, expert TP 2": (MOE + ["--tensor-model-parallel-size", "2",
                                                      "--sequence-parallel"],
                                               "--expert-tensor-parallel-size 1"),
-    "moe with pipelining": (MOE + PP2, "--pipeline-model-parallel-size 1"),
+    "moe with tensor parallel and pipelining": (
+        MOE + PP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                     "--expert-tensor-parallel-size", "1"], "--tensor-model-parallel-size 1"),
     "moe sinkhorn balancing": (MOE + ["--moe-router-load-balancing-type", "sinkhorn"],
                                "aux_loss or none"),
     "moe shared expert gate": (MOE + ["--moe-shared-expert-intermediate-size", "64",
@@ -127,11 +129,12 @@ def test_dhelix_rules_checked_on_the_validated_run(name, monkeypatch):
 
 @pytest.mark.parametrize("parallel", [[], ["--tensor-model-parallel-size", "2",
                                           "--sequence-parallel",
-                                          "--expert-tensor-parallel-size", "1"]])
+                                          "--expert-tensor-parallel-size", "1"], PP2])
 def test_supported_moe_is_not_refused(monkeypatch, parallel):
-    """EP=2 (TP=1, or TP=2 with SP and expert TP 1) with the alltoall dispatcher and the aux
-    loss, in a mixed dense/MoE stack, passes the `--dhelix` argument checks
-    (tests/test_megatron_lm_moe.py trains it, tests/test_dhelix_moe.py checks its parity)."""
+    """EP=2 (TP=1, TP=2 with SP and expert TP 1, or TP=1 with PP=2: the folded model) with
+    the alltoall dispatcher and the aux loss, in a mixed dense/MoE stack, passes the
+    `--dhelix` argument checks (tests/test_megatron_lm_moe.py trains it,
+    tests/test_dhelix_moe.py and tests/test_dhelix_moe_pipeline.py check its parity)."""
     monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")

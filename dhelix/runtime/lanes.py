@@ -131,22 +131,35 @@ def layer_lanes(bound_layers, tensor_model_parallel_size: int, job: Job, *,
     """The lanes of the layers' collectives: Megatron's tensor-parallel group (TP > 1) and,
     when MoE layers all-to-all over more than one rank, its expert-parallel group, each for
     the channels its collectives use; None when neither (a layer's own group then serves
-    its few collectives). Collective over the world, like `Lanes.build`; Megatron's parallel
-    state must exist."""
+    its few collectives). The expert-parallel lanes exist when a layer of any rank uses
+    them (ranks of other pipeline stages may hold other layers). Collective over the world,
+    like `Lanes.build`; Megatron's parallel state must exist."""
     from megatron.core import parallel_state
 
     role_groups, channels = {}, {}
     if tensor_model_parallel_size > 1:
         role_groups["tp"] = parallel_state.get_tensor_model_parallel_group()
         channels["tp"] = comm_channels(bound_layers, "tp")
-    ep_channels = comm_channels(bound_layers, "ep")
-    if ep_channels and parallel_state.get_expert_model_parallel_world_size() > 1:
+    ep_channels = _world_channels(comm_channels(bound_layers, "ep")) \
+        if parallel_state.get_expert_model_parallel_world_size() > 1 else ()
+    if ep_channels:
         role_groups["ep"] = parallel_state.get_expert_model_parallel_group()
         channels["ep"] = ep_channels
     if not role_groups:
         return None
     return Lanes.build(role_groups, job, channels=channels,
                        no_comm_timing_only=no_comm_timing_only, pool=pool)
+
+
+def _world_channels(mine: tuple) -> tuple:
+    """The channels any rank of the world uses (`COMM_LANES` order), from this rank's
+    `mine`: with pipelining, one stage may hold MoE layers and another none, or their
+    expert-parallel groups may sit on different channels, and `Lanes.build` needs the same
+    roles and channels on every rank. Collective over the world."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    used = {channel for channels in everyone for channel in channels}
+    return tuple(lane for lane in COMM_LANES if lane in used)
 
 
 def tensor_parallel_lanes(tensor_model_parallel_size: int, job: Job, *, channels,

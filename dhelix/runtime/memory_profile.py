@@ -12,8 +12,9 @@ fires; the norms' weight gradients, a few hidden-size vectors, are then not comp
 the RNG states (torch's, and megatron-core's CUDA RNG tracker when it has states) are
 restored afterwards, so dropout draws the same numbers as without the measurement. The
 collectives run on the layer's own groups: every rank of the layer's groups must call this
-together. The readings are reduced to their maximum over the world, so every rank plans
-from the same numbers (plans must agree across ranks).
+together. The readings are reduced to their maximum over the world, or over the group
+given (the ranks of one pipeline stage, which hold the same layers), so every rank plans
+from the same numbers (plans must agree across ranks whose collectives pair up).
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def _no_side_effects(layer):
                 tracker.set_states(tracker_states)
 
 
-def measure_op_memory(bound, device: torch.device, rotary_pos_emb=None
+def measure_op_memory(bound, device: torch.device, rotary_pos_emb=None, group=None
                       ) -> tuple[OpMemory, OpMemory]:
     """(forward, backward) `OpMemory` of `bound` (a `dhelix.ops.runner.BoundLayer`) run on
     `device`, with `rotary_pos_emb` as the layer gets it. Collective over the layer's
-    groups and the world (module docstring)."""
+    groups and `group` (default the world), whose ranks get the same readings (module
+    docstring)."""
     from dhelix.memtrace import measure_steps
 
     desc = bound.description
@@ -87,7 +89,7 @@ def measure_op_memory(bound, device: torch.device, rotary_pos_emb=None
     values = torch.tensor([v for pair in readings for v in pair], device=device,
                           dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     flat = [float(v) for v in values.tolist()]
     readings = list(zip(flat[0::2], flat[1::2]))
     fwd_r, bwd_r = readings[:len(fwd_ids)], readings[len(fwd_ids) + 1:-1]

@@ -184,10 +184,13 @@ def _layer_kinds(bound_layers) -> list:
 
 def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_only: bool
                        ) -> DHelixSetup:
-    """A PP=1 stack of different layers (a `--moe-layer-freq` stack of dense and MoE
-    layers): one plan, built at start-up, per (forward layer, backward layer) pair the SI
-    schedule meets (forward layer l with backward layer L-1-l), each bounded by the memory
-    of its two layers' operators; no seams between layer pairs."""
+    """A stack of different layers on this rank (a `--moe-layer-freq` stack of dense and
+    MoE layers): one plan, built at start-up, per (forward layer, backward layer) pair an SI
+    block meets, each bounded by the memory of its two layers' operators; no seams between
+    layer pairs. Local layer i meets local layer n-1-i (`bound` lists the rank's n layers
+    chunk by chunk): without pipelining the SI schedule pairs forward layer l with backward
+    layer L-1-l; on a folded stage (the W schedule) the i-th layer of one chunk meets the
+    i-th layer of the other chunk in backward order, the same local pairs."""
     options = run.options
     if options.plan:
         raise DHelixSetupError("--dhelix-plan serves a stack of identical layers; a stack of "
@@ -200,7 +203,7 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
         device = model_device(parts.model)
         for programs in kinds:  # collective: every rank measures its kinds in stack order
             first = next(layer for layer in bound if layer.programs is programs)
-            memory[id(programs)] = measure_op_memory(first, device, rope)
+            memory[id(programs)] = measure_op_memory(first, device, rope, _stage_group())
     count = len(bound)
     pairs = []
     for index in range(count):
@@ -226,12 +229,23 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(first_plan.fwd_order),
                          bwd_order=tuple(first_plan.bwd_order), blocks=tuple(first_plan.blocks),
                          block_barriers=options.block_barriers, pair_plans=pair_plans)
-    engine = ScheduleEngine(build_si_schedule,
-                            OperatorPasses(parts, runner, loss_at_forward=False))
+    pipelined = run.parallel.pipelined
+    engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
+                            OperatorPasses(parts, runner, loss_at_forward=pipelined))
     return DHelixSetup(parts=parts, runner=runner, plan=first_plan,
                        plan_source=f"{len(pair_plans)} layer-pair plans ({'; '.join(sources)})",
                        engine=engine, timing_only=timing_only, costs=first_costs,
                        pair_plans=pair_plans)
+
+
+def _stage_group():
+    """The ranks of this rank's pipeline stage (Megatron's tensor-and-data-parallel group
+    with context parallelism; the world without pipelining): the ranks whose layers are the
+    same and whose plans must agree (their collectives pair up), so their operator memory
+    is measured together. Ranks of other stages may hold other layers."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
 
 def _kind_name(programs) -> str:
@@ -257,7 +271,8 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     if not options.memory_bound or options.pairer != "dp":
         return None
     rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
-    mem_f, mem_b = measure_op_memory(bound_layers[0], model_device(parts.model), rope)
+    mem_f, mem_b = measure_op_memory(bound_layers[0], model_device(parts.model), rope,
+                                     _stage_group())
     margin = _memory_margin(options, len(bound_layers), fwd, mem_f)
     return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin)
 
@@ -344,9 +359,9 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
              for layer in parts.layers]
     dags = bound[0].programs.dags()
     mixed = any(layer.programs.dags() != dags for layer in bound[1:])
-    if mixed and (domino or pipelined):
+    if mixed and domino:
         raise DHelixSetupError("--dhelix runs a stack of different layers (dense and MoE) "
-                               "only without pipelining and without the Domino split")
+                               "only without the Domino split")
     lanes = layer_lanes(bound, parallel.tensor_model_parallel_size, job,
                         no_comm_timing_only=timing_only, pool=lane_pool)
     if domino:

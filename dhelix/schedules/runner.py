@@ -129,6 +129,22 @@ class MegatronLoss:
         return loss, store[-1]
 
 
+def set_auxiliary_loss_scales(model, config, num_microbatches: int, cp: int,
+                              device: torch.device) -> None:
+    """Set the gradient scales of the auxiliary losses (the MoE load-balancing loss,
+    `MoEAuxLossAutoScaler`) as Megatron's schedules set them on a stage that does not
+    compute the loss (`forward_step_calc_loss` with `is_last_stage=False`: the loss scale
+    `/ m`, times cp), on every rank before its first backward. A folded stage other than the
+    first never computes the loss, so `MegatronLoss` never sets them there; without this its
+    MoE layers would back-propagate their load-balancing losses with whatever scale the
+    process last set (None: 1)."""
+    if getattr(config, "num_moe_experts", None) is None:
+        return
+    mcore_schedules.forward_step_calc_loss(
+        model, torch.zeros((), device=device), None, config, None, False, num_microbatches,
+        [], cp_group_size=cp, is_last_stage=False)
+
+
 @contextlib.contextmanager
 def _without_timers(config):
     timers, config.timers = config.timers, None
@@ -224,6 +240,8 @@ class ScheduleEngine:
             context_parallel_size=loss.cp, no_sync=config.no_sync_func)
         with _without_timers(config), torch.no_grad() if forward_only \
                 else contextlib.nullcontext():
+            if not forward_only:
+                set_auxiliary_loss_scales(chunk, config, num_microbatches, loss.cp, device)
             losses = executor.run()
         self.last_step = ExecutedStep(schedule.kind, schedule.path.name, stage, forward_only,
                                       executor.actions_run, type(passes).__name__)
