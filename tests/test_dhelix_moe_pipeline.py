@@ -9,9 +9,9 @@ same experts on both sides:
 - `--moe-layer-freq [1,1,0,1]` (GeLU with biases, DP plans): folded, stage 0 holds MoE
   layers 1 and 4, stage 1 MoE layer 2 and dense layer 3, so stage 1 pairs MoE with dense
   layers (a plan per layer pair);
-- `[0,1,1,0]` (SwiGLU, RMSNorm, no biases; round-robin plans): stage 0 holds only dense
-  layers, stage 1 only MoE layers (the stage without MoE layers still joins the
-  expert-parallel lanes' creation).
+- `[0,1,1,0]` (SwiGLU, RMSNorm, no biases, a shared expert beside the routed ones;
+  round-robin plans): stage 0 holds only dense layers, stage 1 only MoE layers (the stage
+  without MoE layers still joins the expert-parallel lanes' creation).
 Before each `--dhelix` step Megatron's process-wide aux-loss gradient scale
 (`MoEAuxLossAutoScaler`) is set to a wrong value, so a stage that does not set it as
 Megatron's schedules do (stage 1 never computes the loss) fails the gradient check
@@ -23,7 +23,7 @@ import pytest
 from tests.engine_checks import assert_ran_on_the_engine
 from tests.moe_ranks import assert_moe_parity, launch_moe_parity
 from tests.plugin_parity_ranks import ParityCase
-from tests.test_dhelix_moe import FP32_EVAL, FP32_GRAD, FP32_LOSS, FP32_PARAM, LLAMA, MOE
+from tests.test_dhelix_moe import FP32_EVAL, FP32_GRAD, FP32_LOSS, FP32_PARAM, LLAMA, MOE, SHARED
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -33,7 +33,7 @@ PATTERNS = {"ep2_pp2_mixed_dp": (1, 1, 0, 1), "ep2_pp2_llama_round_robin": (0, 1
 CASES = {
     "ep2_pp2_mixed_dp": ParityCase(PP2, ("--dhelix",)),
     "ep2_pp2_llama_round_robin": ParityCase(
-        tuple(w if w != "[1,1,0,1]" else "[0,1,1,0]" for w in PP2) + LLAMA,
+        tuple(w if w != "[1,1,0,1]" else "[0,1,1,0]" for w in PP2) + LLAMA + SHARED,
         ("--dhelix", "--dhelix-pairer", "round_robin")),
 }
 STEPS = 2
@@ -97,6 +97,8 @@ def test_moe_layers_ran_as_operators_in_the_w_schedule(report):
         if any(stage_pattern):
             assert "dispatch.a2a" in entry["moe_fwd_ops"] and "router" in entry["moe_fwd_ops"]
             assert "combine.a2a_grad" in entry["moe_bwd_ops"]
+            shared = entry["case"] == "ep2_pp2_llama_round_robin"
+            assert ("shared.fc1" in entry["moe_fwd_ops"]) == shared
         else:
             assert entry["moe_fwd_ops"] == []
         # a stage of an MoE and a dense layer meets MoE fwd x dense bwd and dense fwd x MoE
