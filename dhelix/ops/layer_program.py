@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dhelix.ops.describe import LayerDescription
+from dhelix.ops.linear_program import linear_backward, linear_forward
 from dhelix.ops.moe_program import moe_backward, moe_forward
 from dhelix.ops.program import LayerPrograms, Program, ValueInfo
 from dhelix.ops.registry import Operator, cost_key
@@ -82,63 +83,6 @@ class _Builder:
                 movable=movable, group="tp", inplace=kernel == "all_reduce")
 
 
-def _linear_block(b: _Builder, name: str, module: str, src: str, out_width: int,
-                  column: bool, bias_in_gemm: bool, in_width: int) -> None:
-    """Forward ops of one tensor-parallel linear, reading `src` and producing `<name>.out`.
-
-    Column-parallel (QKV, FC1): with SP the sharded input is all-gathered first. Row-parallel
-    (proj, FC2): the partial output is reduce-scattered (SP) or all-reduced (no SP).
-    """
-    d = b.desc
-    s, sl = d.seq_length, d.local_seq
-    gemm_in = src
-    if column and d.sequence_parallel:
-        gemm_in = f"{name}.in"
-        b.collective("fwd", f"{name}.ag", "all_gather", src, gemm_in, s, in_width)
-    comm_after = (not column) and d.tp_size > 1
-    out = b.tensor(f"{name}.partial" if comm_after else f"{name}.out", s, out_width)
-    m, n, k = d.tokens, out_width, in_width
-    b.op("fwd", name, "linear_fwd", COMP, "gemm", [gemm_in], [out],
-         b.key("linear.fwd", m=m, n=n, k=k, bias=bias_in_gemm), module=module,
-         add_bias=bias_in_gemm)
-    if comm_after:
-        kernel = "reduce_scatter" if d.sequence_parallel else "all_reduce"
-        suffix = "rs" if d.sequence_parallel else "ar"
-        b.collective("fwd", f"{name}.{suffix}", kernel, out, f"{name}.out", sl, out_width)
-
-
-def _linear_backward(b: _Builder, name: str, module: str, saved_input: str, grad_out: str,
-                     grad_in: str, out_width: int, in_width: int, column: bool,
-                     bias_in_gemm: bool) -> None:
-    """Backward ops of one linear: output-grad collective (row-parallel with SP), dgrad,
-    input-grad collective (column-parallel), and the movable wgrad (with its own
-    all-gather of the saved sharded input under SP)."""
-    d = b.desc
-    s, sl = d.seq_length, d.local_seq
-    if not column and d.sequence_parallel:
-        gathered = f"d.{name}.partial"
-        b.collective("bwd", f"{name}.ag_grad", "all_gather", grad_out, gathered, s, out_width)
-        grad_out = gathered
-    wgrad_input = saved_input
-    if column and d.sequence_parallel:
-        wgrad_input = f"{name}.in.bwd"
-        b.collective("bwd", f"{name}.ag_in", "all_gather", saved_input, wgrad_input, s, in_width,
-                     movable=True)
-    m, n, k = d.tokens, out_width, in_width
-    column_comm = column and d.tp_size > 1
-    dgrad_out = f"d.{name}.in" if column_comm else grad_in
-    b.tensor(dgrad_out, s, in_width)
-    b.op("bwd", f"{name}.dgrad", "linear_dgrad", COMP, "gemm", [grad_out], [dgrad_out],
-         b.key("linear.dgrad", m=m, n=n, k=k), module=module)
-    if column_comm:
-        kernel = "reduce_scatter" if d.sequence_parallel else "all_reduce"
-        suffix = "rs_grad" if d.sequence_parallel else "ar_grad"
-        b.collective("bwd", f"{name}.{suffix}", kernel, dgrad_out, grad_in, sl, in_width)
-    b.op("bwd", f"{name}.wgrad", "linear_wgrad", COMP, "gemm", [grad_out, wgrad_input], [],
-         b.key("linear.wgrad", m=m, n=n, k=k, bias=bias_in_gemm), movable=True,
-         module=module, bias_grad=bias_in_gemm)
-
-
 @dataclass(frozen=True)
 class _Half:
     """One residual half of the layer: norm -> column-parallel linear -> region ->
@@ -195,14 +139,14 @@ def _forward_half(b: _Builder, half: _Half) -> None:
     d = b.desc
     s, sl, bsz, h = d.seq_length, d.local_seq, d.micro_batch_size, d.hidden_size
     _norm_forward(b, half)
-    _linear_block(b, half.col, half.col_module, f"{half.norm}.out", half.col_width,
+    linear_forward(b, half.col, half.col_module, f"{half.norm}.out", half.col_width,
                   column=True, bias_in_gemm=half.col_bias, in_width=h)
     b.tensor(f"{half.region}.out", s, half.region_width)
     b.op("fwd", half.region, half.region_kernel, COMP, half.region_class,
          [f"{half.col}.out", *half.aux_inputs],
          [f"{half.region}.out", b.graph(f"{half.region}.graph")],
          b.key(f"{half.region_key}.fwd", **half.region_dims), module=half.region_module)
-    _linear_block(b, half.row, half.row_module, f"{half.region}.out", h, column=False,
+    linear_forward(b, half.row, half.row_module, f"{half.region}.out", h, column=False,
                   bias_in_gemm=False, in_width=half.region_width)
     b.tensor(half.output, sl, h)
     b.op("fwd", half.bda, "bda_fwd", COMP, "elementwise", [f"{half.row}.out", half.input],
@@ -224,7 +168,7 @@ def _backward_half(b: _Builder, half: _Half) -> None:
          b.key("bias_dropout_add.bwd", s=sl, b=bsz, h=h, bias=d.add_bias_linear),
          grads_of=("x", "residual"))
     b.tensor(f"d.{half.region}.out", s, half.region_width)
-    _linear_backward(b, half.row, half.row_module, f"{half.region}.out", row_grad,
+    linear_backward(b, half.row, half.row_module, f"{half.region}.out", row_grad,
                      f"d.{half.region}.out", h, half.region_width, column=False,
                      bias_in_gemm=False)
     b.tensor(f"d.{half.col}.out", s, half.col_width)
@@ -232,7 +176,7 @@ def _backward_half(b: _Builder, half: _Half) -> None:
          [f"{half.region}.graph", f"d.{half.region}.out"], [f"d.{half.col}.out"],
          b.key(f"{half.region_key}.bwd", **half.region_dims), grads_of=("x",))
     b.tensor(f"d.{half.norm}.out", sl, h)
-    _linear_backward(b, half.col, half.col_module, f"{half.norm}.out", f"d.{half.col}.out",
+    linear_backward(b, half.col, half.col_module, f"{half.norm}.out", f"d.{half.col}.out",
                      f"d.{half.norm}.out", half.col_width, h, column=True,
                      bias_in_gemm=half.col_bias)
     _norm_backward(b, half)

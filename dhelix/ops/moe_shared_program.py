@@ -13,7 +13,9 @@ The shared expert is a dense MLP on the layer's own tokens (megatron-core runs
 `MLP.forward` on the MoE layer input and adds its output to the unpermuted routed output:
 `MoELayer.postprocess`), so its operators are the dense MLP's kernels (`linear_fwd`,
 `activation_fwd`, `linear_dgrad`, `linear_wgrad`, the generic `graph_bwd`) bound to
-`mlp.shared_experts.*`: each GEMM's backward a dgrad and a movable wgrad. The sum's
+`mlp.shared_experts.*` (its linears through `dhelix.ops.linear_program`, as the dense
+MLP's, at TP = 1: shared experts at TP > 1 are refused, `megatron_patches.moe_support`):
+each GEMM's backward a dgrad and a movable wgrad. The sum's
 backward is the identity for both terms, so it has no operator: the routed unpermute's
 backward and the shared FC2's dgrad and wgrad all read `d.mlp.out`.
 
@@ -26,6 +28,8 @@ backward (the shared expert's autograd nodes are older than the routed path's).
 """
 
 from __future__ import annotations
+
+from dhelix.ops.linear_program import linear_backward, linear_forward
 
 COMP = "comp"
 MODULE = "mlp.shared_experts"
@@ -46,30 +50,21 @@ def _widths(d) -> tuple:
     return (2 * f if d.gated_linear_unit else f), f
 
 
-def _gemm_key(b, kind: str, n: int, k: int) -> str:
-    dims = dict(m=b.desc.tokens, n=n, k=k)
-    if kind != "dgrad":
-        dims["bias"] = False  # SharedExpertMLP has no biases (Megatron requires it)
-    return b.key(f"linear.{kind}", **dims)
-
-
 def shared_forward(b) -> None:
     """The shared expert's FC1, activation and FC2 on `ln2.out`, output `shared.fc2.out`
     ([s, b, h]). Emit before the routed output is summed (`shared_add`)."""
     d = b.desc
     s, h = d.seq_length, d.hidden_size
     f1, f = _widths(d)
-    b.tensor("shared.fc1.out", s, f1)
-    b.op("fwd", "shared.fc1", "linear_fwd", COMP, "gemm", ["ln2.out"], ["shared.fc1.out"],
-         _gemm_key(b, "fwd", f1, h), module=f"{MODULE}.linear_fc1", add_bias=False)
+    linear_forward(b, "shared.fc1", f"{MODULE}.linear_fc1", "ln2.out", f1, column=True,
+                   bias_in_gemm=False, in_width=h)  # no biases (Megatron requires it)
     b.tensor("shared.act.out", s, f)
     b.op("fwd", "shared.act", "activation_fwd", COMP, "elementwise", ["shared.fc1.out"],
          ["shared.act.out", b.graph("shared.act.graph")],
          b.key(f"{d.activation_kernel}.fwd", s=s, b=d.micro_batch_size, f=f1, bias=False),
          module=MODULE)
-    b.tensor(OUTPUT, s, h)
-    b.op("fwd", "shared.fc2", "linear_fwd", COMP, "gemm", ["shared.act.out"], [OUTPUT],
-         _gemm_key(b, "fwd", h, f), module=f"{MODULE}.linear_fc2", add_bias=False)
+    linear_forward(b, "shared.fc2", f"{MODULE}.linear_fc2", "shared.act.out", h, column=False,
+                   bias_in_gemm=False, in_width=f)  # -> OUTPUT
 
 
 def shared_add(b, routed: str, output: str) -> None:
@@ -86,18 +81,12 @@ def shared_backward(b, grad_out: str) -> None:
     s, h = d.seq_length, d.hidden_size
     f1, f = _widths(d)
     fc1, fc2 = f"{MODULE}.linear_fc1", f"{MODULE}.linear_fc2"
-    b.tensor("d.shared.act.out", s, f)
-    b.op("bwd", "shared.fc2.dgrad", "linear_dgrad", COMP, "gemm", [grad_out],
-         ["d.shared.act.out"], _gemm_key(b, "dgrad", h, f), module=fc2)
-    b.op("bwd", "shared.fc2.wgrad", "linear_wgrad", COMP, "gemm", [grad_out, "shared.act.out"],
-         [], _gemm_key(b, "wgrad", h, f), movable=True, module=fc2, bias_grad=False)
+    linear_backward(b, "shared.fc2", fc2, "shared.act.out", grad_out, "d.shared.act.out",
+                    h, f, column=False, bias_in_gemm=False)
     b.tensor("d.shared.fc1.out", s, f1)
     b.op("bwd", "shared.act.bwd", "graph_bwd", COMP, "elementwise",
          ["shared.act.graph", "d.shared.act.out"], ["d.shared.fc1.out"],
          b.key(f"{d.activation_kernel}.bwd", s=s, b=d.micro_batch_size, f=f1, bias=False),
          grads_of=("x",))
-    b.tensor(INPUT_GRAD, s, h)
-    b.op("bwd", "shared.fc1.dgrad", "linear_dgrad", COMP, "gemm", ["d.shared.fc1.out"],
-         [INPUT_GRAD], _gemm_key(b, "dgrad", f1, h), module=fc1)
-    b.op("bwd", "shared.fc1.wgrad", "linear_wgrad", COMP, "gemm", ["d.shared.fc1.out", "ln2.out"],
-         [], _gemm_key(b, "wgrad", f1, h), movable=True, module=fc1, bias_grad=False)
+    linear_backward(b, "shared.fc1", fc1, "ln2.out", "d.shared.fc1.out", INPUT_GRAD, f1, h,
+                    column=True, bias_in_gemm=False)
