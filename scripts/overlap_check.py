@@ -56,9 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, before=None) -> float:
+    """Median wall time of `fn` over `repeats` calls; `before` (untimed) runs ahead of each."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -91,7 +94,9 @@ def main(argv=None) -> int:
         # Calibrate: as many matmuls as take about as long as the all_reduce, timed with
         # every rank computing at once (as in the measurement), refined once at full
         # length; the same count on every rank (the largest any rank asked for).
-        comm_s = _median_time(lambda: (dist.barrier(), comm()), 3)
+        # (the barrier untimed: a rank that waits there for a late peer would count the
+        # wait as communication and ask for several times too many matmuls)
+        comm_s = _median_time(comm, 3, before=dist.barrier)
         count = 8
         for _ in range(2):
             dist.barrier()
