@@ -16,3 +16,10 @@ def work_handles(result) -> list:
         elif hasattr(item, "wait") and not isinstance(item, torch.Tensor):
             found.append(item)
     return found
+
+
+def unboxed_work(work):
+    """The Python `Work` of a dispatched collective's result (a TorchScript object there)."""
+    from torch._C._distributed_c10d import Work
+
+    return work if isinstance(work, Work) else Work.unbox(work)

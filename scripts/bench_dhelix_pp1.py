@@ -184,11 +184,13 @@ class _Calls:
     """How bench_body runs a call that runs a model: as it is, or (`emulation`, a
     `dhelix.gpu_emulation.emulated_run.GpuEmulation`'s fields) under the GPU emulation
     (`emulated_run.emulated_call` on the run's model chunks), recording each call's
-    modelled kernel ms per system."""
+    modelled kernel ms and the ms its emulated stream sat empty between kernels
+    (`EmulationReport.stream_idle_s`) per system."""
 
     def __init__(self, emulation: dict | None):
         self.emulation = self.model = None
         self.modelled_ms: dict = {}
+        self.stream_idle_ms: dict = {}
         if emulation is not None:
             from dhelix.gpu_emulation.emulated_run import GpuEmulation
             from dhelix.gpu_emulation.options import mark_process
@@ -223,18 +225,21 @@ class _Calls:
 
         with emulated_call(run.model, self.model, self.emulation.config()) as mode:
             out = fn()
-        self.modelled_ms.setdefault(name, []).append(mode.report().modelled_ms)
+        report = mode.report()
+        self.modelled_ms.setdefault(name, []).append(report.modelled_ms)
+        self.stream_idle_ms.setdefault(name, []).append(report.stream_idle_s * 1e3)
         return out
 
     def describe(self) -> dict | None:
         """What the report states: the profile, S, the overlap slowdown and the modelled ms
-        of every emulated call per system (steps first, in order), or None."""
+        and stream-idle ms of every emulated call per system (steps first, in order), or
+        None."""
         if self.emulation is None:
             return None
         return {"profile": self.emulation.profile, "time_scale": self.emulation.time_scale,
                 "overlap_slowdown": self.emulation.overlap_slowdown,
                 "host_latency_ms": self.model.host_latency_ms,
-                "modelled_ms": self.modelled_ms}
+                "modelled_ms": self.modelled_ms, "stream_idle_ms": self.stream_idle_ms}
 
 
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,

@@ -17,12 +17,18 @@ meta cannot run (data-dependent output shape) also runs for real, and is charged
 Time: the mode keeps a stream clock like a CUDA stream. A kernel starts at max(now, the end
 of the previous kernel) and ends `modelled ms x time_scale` later (x (1 + overlap_slowdown)
 while an async collective issued under the mode is still in flight); the host runs ahead
-without waiting. The host waits (sleeps, GIL released, no core held) until the stream is
-drained only where a GPU program would: before a collective is issued (its inputs must be
-computed: c10d and functional collectives are dispatched operators), before a host read
-(`.item()`), and at `synchronize()` / leaving the mode. `Work.wait()` is not a dispatched
+without waiting. A collective starts when the stream reaches it (its inputs must be
+computed: c10d and functional collectives are dispatched operators): with `stream_ordered_collectives` (the
+default) an in-place c10d collective issued while the stream is busy is handed to a
+`StreamOrderedIssuer`, which issues it for real at that stream time while the host goes on
+issuing kernels, as a GPU's host does (`stream_ordered_issue`); other collectives, those
+issued under another dispatch mode entered before this one (which must see them on this
+thread, in order: `dhelix.bench.link_floor`'s recorder), and all with the option off, make the host wait (sleep, GIL released, no core held) until the
+stream is drained and then issue. The host also waits for the stream before a host read
+(`.item()`) and at `synchronize()` / leaving the mode. `Work.wait()` is not a dispatched
 operator and needs no flush: on a GPU it orders only the kernels issued after it, which the
-stream clock starts after the wait returned. Collectives themselves run for real.
+stream clock starts after the wait returned (on these CPU ranks the host blocks there until
+the bytes arrived). Collectives themselves run for real.
 
 Regions (`enter_region` / `exit_region`): a stretch of code whose GPU time is known as a
 whole (Megatron's unfused core attention, `dhelix.gpu_emulation.regions`) is charged once;
@@ -40,15 +46,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch._C._distributed_c10d import Work
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dhelix.c10d_ops import work_handles
+from dhelix.c10d_ops import unboxed_work, work_handles
 from dhelix.gpu_emulation.aten_costs import (
     classify, is_communication, is_fill_factory, is_host_sync, is_inplace, kernel_ms,
     moved_bytes, op_name)
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
+from dhelix.gpu_emulation.stream_ordered_issue import StreamOrderedIssuer, deferrable
 
 # DHelix paper, Table 7: concurrent compute and communication kernels run 20-30% slower on H100.
 H100_OVERLAP_SLOWDOWN = 0.25
@@ -65,11 +71,15 @@ class EmulationConfig:
     the same S to keep the GPU cluster's compute/communication ratio); `overlap_slowdown`:
     a kernel that runs while a collective is in flight takes (1 + this) x its time;
     `cheap_numel`: operators whose tensors all have at most this many elements run for real
-    (and operators on byte tensors of at most `BYTE_STATE_NUMEL`: a generator's state)."""
+    (and operators on byte tensors of at most `BYTE_STATE_NUMEL`: a generator's state);
+    `stream_ordered_collectives`: collectives issued while the stream is busy start when it
+    reaches them without holding the host (a GPU's behaviour); False: the host waits for
+    the stream to drain before every collective."""
 
     time_scale: float = 1.0
     overlap_slowdown: float = H100_OVERLAP_SLOWDOWN
     cheap_numel: int = 4096
+    stream_ordered_collectives: bool = True
 
     def __post_init__(self):
         if not self.time_scale > 0:
@@ -98,7 +108,11 @@ class EmulationReport:
     memory.norm, attention.sdpa.bwd, attention.unfused.fwd (a region), ...), `by_op` (aten
     operator names; a region by its term), `slept_s` (seconds the host slept waiting for
     the stream), `collectives` issued, `ran_for_real` compute ops that meta could not run,
-    `absorbed` compute ops issued inside a region (charged nothing of their own)."""
+    `absorbed` compute ops issued inside a region (charged nothing of their own),
+    `stream_idle_s` (seconds the emulated stream sat empty between its first and last
+    kernel: the host had not yet issued the next one, e.g. it was waiting on a collective or
+    running Python after a drain; the wall time a GPU whose host ran ahead would not lose),
+    `stream_ordered` (collectives issued at their stream time without holding the host)."""
 
     modelled_ms: float
     by_term: dict
@@ -107,11 +121,9 @@ class EmulationReport:
     collectives: int
     ran_for_real: int
     absorbed: int = 0
+    stream_idle_s: float = 0.0
+    stream_ordered: int = 0
 
-
-def _unboxed(work):
-    """The Python `Work` of a dispatched collective's result (a TorchScript object there)."""
-    return work if isinstance(work, Work) else Work.unbox(work)
 
 
 def _meta(value):
@@ -136,13 +148,18 @@ class GpuEmulationMode(TorchDispatchMode):
         self._ran_for_real = 0
         self._region: str | None = None
         self._absorbed = 0
+        self._stream_idle = 0.0
+        self._issuer = StreamOrderedIssuer()
+        self._deferred = 0
 
     # -- time ---------------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Sleep until every kernel charged so far has ended (host = stream)."""
+        """Sleep until every kernel charged so far has ended (host = stream) and every
+        collective issued so far has been issued for real."""
         start = time.perf_counter()
         while (left := self._stream_end - time.perf_counter()) > 0:
             time.sleep(left)
+        self._issuer.flush()
         self._slept += time.perf_counter() - start
 
     def _charge(self, term: str, name: str, ms: float, nbytes: float = 0.0) -> None:
@@ -151,6 +168,8 @@ class GpuEmulationMode(TorchDispatchMode):
         if slowed:
             ms *= 1.0 + self.config.overlap_slowdown
         now = time.perf_counter()
+        if self._stream_end and now > self._stream_end:
+            self._stream_idle += now - self._stream_end
         self._stream_end = max(now, self._stream_end) + ms * self.config.time_scale / 1000.0
         for table, key in ((self._terms, term), (self._ops, name)):
             count, total, n_slowed, moved = table.get(key, (0, 0.0, 0, 0.0))
@@ -184,22 +203,34 @@ class GpuEmulationMode(TorchDispatchMode):
         return EmulationReport(
             modelled_ms=sum(v[1] for v in self._terms.values()), by_term=totals(self._terms),
             by_op=totals(self._ops), slept_s=self._slept, collectives=self._collectives,
-            ran_for_real=self._ran_for_real, absorbed=self._absorbed)
+            ran_for_real=self._ran_for_real, absorbed=self._absorbed,
+            stream_idle_s=self._stream_idle, stream_ordered=self._deferred)
 
     def __exit__(self, *exc):
         try:
             self.synchronize()
         finally:
-            return super().__exit__(*exc)
+            try:
+                self._issuer.close()
+            finally:
+                super().__exit__(*exc)
+        return False
 
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if is_communication(func):
+            self._collectives += 1
+            if (self.config.stream_ordered_collectives and deferrable(func)
+                    and not _get_current_dispatch_mode_stack()
+                    and (self._issuer.pending or self._stream_end > time.perf_counter())):
+                self._deferred += 1
+                result = self._issuer.submit(self._stream_end, func, args, kwargs)
+                self._in_flight += [unboxed_work(w) for w in work_handles(result)]
+                return result
             self.synchronize()
             result = func(*args, **kwargs)
-            self._collectives += 1
-            self._in_flight += [_unboxed(w) for w in work_handles(result)]
+            self._in_flight += [unboxed_work(w) for w in work_handles(result)]
             return result
         if is_fill_factory(func):
             return self._fill_factory(func, args, kwargs)

@@ -6,6 +6,10 @@
   while the process's CPU time stays below a quarter of the modelled time (no core held);
 - the stream is drained before a collective is issued: rank 0 charges 0.6 s of kernels and
   then all-reduces; rank 1, whose stream is empty, waits for it in that all-reduce;
+- stream-ordered issue: an async all-reduce issued while 0.6 s of kernels are queued returns
+  at once and its bytes move when the stream reaches it; with the option off the host
+  sleeps until the stream drained, and so does it under a dispatch mode entered before the
+  emulation (the link floor's recorder sees the collective);
 - kernels charged while an async collective is in flight cost (1 + overlap_slowdown) x, and
   no more once it completed.
 Plus single-process checks of the dispatch rules (fake outputs, in-place skip, real small ops).
@@ -26,13 +30,14 @@ SCALE = 5000.0
 pytestmark = pytest.mark.skipif(not H100_PROFILE.exists(), reason="needs the shared H100 profile")
 
 
-def _mode(scale=SCALE, slowdown=0.25):
+def _mode(scale=SCALE, slowdown=0.25, stream_ordered=True):
     from dhelix.gpu_emulation.kernel_model import fit_kernel_model
     from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
     from profiler.profile_file import load_profile
 
     model = fit_kernel_model(load_profile(H100_PROFILE))
-    return GpuEmulationMode(model, EmulationConfig(time_scale=scale, overlap_slowdown=slowdown))
+    return GpuEmulationMode(model, EmulationConfig(time_scale=scale, overlap_slowdown=slowdown,
+                                                   stream_ordered_collectives=stream_ordered))
 
 
 def _gpt_layer():
@@ -93,6 +98,40 @@ def _layer_and_collectives(ctx):
         out["allreduce_s"] = time.perf_counter() - start
         out["issue_modelled_ms"] = mode.report().modelled_ms
 
+    # stream-ordered issue: rank 0 owes 0.6 s of kernels when it issues an async all-reduce;
+    # the host gets the handle at once and the bytes move when the stream reaches it (with
+    # the option off the host sleeps until the stream drained)
+    for ordered in (True, False):
+        dist.barrier()
+        mode = _mode(scale=1.0, stream_ordered=ordered)
+        with mode:
+            if ctx.rank == 0:
+                while mode.report().modelled_ms < 600:
+                    big @ big
+            start = time.perf_counter()
+            owed = max(0.0, mode._stream_end - start)  # the stream's kernels still to run
+            work = dist.all_reduce(torch.ones(8), async_op=True)
+            issued = time.perf_counter() - start
+            work.wait()
+            out[f"ordered_{ordered}"] = (issued, time.perf_counter() - start,
+                                         mode.report().stream_ordered, owed)
+
+    # under a dispatch mode entered before the emulation (the link floor's recorder) the
+    # collective is issued on this thread, so that mode sees it
+    from dhelix.bench.link_floor import record_collectives
+
+    def owed_then_all_reduce():
+        mode = _mode(scale=1.0)
+        with mode:
+            while mode.report().modelled_ms < 100:
+                big @ big
+            dist.all_reduce(torch.ones(8), async_op=True).wait()
+        return mode.report().stream_ordered
+
+    dist.barrier()
+    ordered, recorded, _ = record_collectives(owed_then_all_reduce)
+    out["under_recorder"] = (ordered, len(recorded))
+
     # slowdown while an async collective is in flight (rank 0 joins it 0.5 s late)
     dist.barrier()
     if ctx.rank == 0:
@@ -129,6 +168,15 @@ def test_gpt_layer_and_collectives_under_the_mode():
         assert r["cpu_s"] < 0.25 * r["modelled_s"], r
     assert results[0]["issue_modelled_ms"] >= 600 and results[1]["issue_modelled_ms"] == 0
     assert results[1]["allreduce_s"] >= 0.55, results[1]["allreduce_s"]
+    issued, done, ordered, owed = results[0]["ordered_True"]
+    assert owed > 0.3 and issued < 0.1 and done >= owed and ordered == 1, results[0]
+    issued, done, ordered, owed = results[0]["ordered_False"]
+    assert owed > 0.3 and issued >= owed and ordered == 0, results[0]["ordered_False"]
+    for key in ("ordered_True", "ordered_False"):  # rank 1's stream is empty: issued at once
+        issued, done, ordered, owed = results[1][key]
+        assert issued < 0.1 and done >= results[0][key][3] - 0.1 and ordered == 0 == owed, (
+            key, results[1][key])
+    assert results[0]["under_recorder"] == (0, 1), results[0]["under_recorder"]
     ms0, one0, slowed0, n0 = results[0]["slowdown"]
     ms1, one1, slowed1, n1 = results[1]["slowdown"]
     assert (slowed0, n0) == (0, 1) and ms0 == pytest.approx(one0)
@@ -219,3 +267,49 @@ def test_timer_region_excludes_kernels_issued_before_it():
         first, second = timer.collect()
     assert first < 100.0, f"the region waited for the 400 ms queued before it: {first:.0f} ms"
     assert 150.0 <= second < 250.0, f"the region's own 150 ms kernel: {second:.0f} ms"
+
+
+def test_stream_idle_counts_only_gaps_between_kernels():
+    import time
+
+    mode = _mode(scale=1.0)
+    a = torch.empty(2048, 2048)
+    with mode:
+        time.sleep(0.05)          # before the first kernel: not a gap
+        a @ a
+        kernel_s = mode.report().modelled_ms / 1000
+        time.sleep(0.2)           # the host busy: the stream drains and sits empty
+        a @ a
+        a @ a                     # issued while the stream is busy: no gap
+    assert kernel_s < 0.05
+    idle = mode.report().stream_idle_s
+    assert 0.2 - kernel_s <= idle <= 0.2 - kernel_s + 0.05, (idle, kernel_s)
+
+
+class _RaisingCollective:
+    """A stand-in operator for the issuer's error path only (a refused collective)."""
+
+    class _schema:  # noqa: N801 - mirrors an OpOverload's attribute
+        returns = ("tensors", "work")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("refused by the transport")
+
+
+def test_stream_ordered_issue_raises_a_collectives_error():
+    import time
+
+    from dhelix.gpu_emulation.stream_ordered_issue import StreamOrderedIssuer
+    from torch._C._distributed_c10d import Work
+
+    issuer = StreamOrderedIssuer()
+    _, boxed = issuer.submit(time.perf_counter() + 0.05, _RaisingCollective(), ([],), {})
+    work = Work.unbox(boxed)
+    assert not work.is_completed()
+    with pytest.raises(RuntimeError, match="refused by the transport"):
+        work.wait()
+    issuer.close()  # the error was seen by wait(): close does not raise it again
+    issuer = StreamOrderedIssuer()
+    issuer.submit(time.perf_counter(), _RaisingCollective(), ([],), {})
+    with pytest.raises(RuntimeError, match="refused by the transport"):
+        issuer.close()  # nobody waited: close raises it
