@@ -95,14 +95,16 @@ def _plan_costs(run) -> dict:
     planned ms), and how many layer pairs one step pairs: (micro-batches - 1) x local layers
     without pipelining, None with it (the W schedule pairs fewer; no step prediction is made
     there). With the cost model at hand (a plan built at start-up), also
-    `sequential_executed_ms`: the same layer's forward then backward as the strand executor
-    runs each alone, its collectives in flight while the strand computes what does not read
-    them (`planner.cosched.strand_alone_ms`); `sequential_ms` is the plain sum of the solo
+    `sequential_executed_ms`: the same layer's forward then backward in the sequential
+    row's orders (program orders) as the strand executor runs each alone, its collectives in
+    flight while the strand computes what does not read them
+    (`planner.cosched.strand_alone_ms`); `sequential_ms` is the plain sum of the solo
     times. With a seam between layer pairs (`planner.blocks.layer_seam`): how much each seam
     saves by the block model (the head's and tail's blocks against the seam block) and how
     many a step has ((m - 1) x (layers - 1) without pipelining)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+    from planner.baselines import sequential_pairing
     from planner.cosched import simulate_block, strand_alone_ms
 
     setup, args = run.dhelix, run.args
@@ -120,9 +122,13 @@ def _plan_costs(run) -> dict:
         return out
     dags = setup.runner.bound_layers[0].programs.dags()
     fwd, bwd = dags["fwd"].by_id(), dags["bwd"].by_id()
+    # the orders the sequential row runs (`planner.baselines.sequential_pairing`), not the
+    # plan's: a plan's reordered strand (a wgrad moved away from its all-reduce) takes
+    # longer alone, which made the saving look larger than the sequential row would see
+    sequential = sequential_pairing(dags["fwd"], dags["bwd"])
     out["sequential_executed_ms"] = (
-        strand_alone_ms(plan.fwd_order, fwd, setup.costs, "fwd", bwd)
-        + strand_alone_ms(plan.bwd_order, bwd, setup.costs, "bwd", fwd))
+        strand_alone_ms(sequential.fwd_order, fwd, setup.costs, "fwd", bwd)
+        + strand_alone_ms(sequential.bwd_order, bwd, setup.costs, "bwd", fwd))
     if seam is not None:
         apart = sum(b.predicted_ms for b in plan.blocks[:seam.head]) + sum(
             b.predicted_ms for b in plan.blocks[len(plan.blocks) - seam.tail:])
