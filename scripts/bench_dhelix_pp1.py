@@ -197,6 +197,7 @@ class _Calls:
         self.emulation = self.model = None
         self.modelled_ms: dict = {}
         self.stream_idle_ms: dict = {}
+        self.step_terms: dict = {}
         if emulation is not None:
             from dhelix.gpu_emulation.emulated_run import GpuEmulation
             from dhelix.gpu_emulation.options import mark_process
@@ -234,18 +235,22 @@ class _Calls:
         report = mode.report()
         self.modelled_ms.setdefault(name, []).append(report.modelled_ms)
         self.stream_idle_ms.setdefault(name, []).append(report.stream_idle_s * 1e3)
+        if name not in self.step_terms:  # the first call of a system: its first step
+            self.step_terms[name] = {term: [t.count, round(t.modelled_ms, 3)]
+                                     for term, t in report.by_term.items()}
         return out
 
     def describe(self) -> dict | None:
         """What the report states: the profile, S, the overlap slowdown and the modelled ms
-        and stream-idle ms of every emulated call per system (steps first, in order), or
-        None."""
+        and stream-idle ms of every emulated call per system (steps first, in order), each
+        system's first step by term ([kernels, modelled ms]), or None."""
         if self.emulation is None:
             return None
         return {"profile": self.emulation.profile, "time_scale": self.emulation.time_scale,
                 "overlap_slowdown": self.emulation.overlap_slowdown,
                 "host_latency_ms": self.model.host_latency_ms,
-                "modelled_ms": self.modelled_ms, "stream_idle_ms": self.stream_idle_ms}
+                "modelled_ms": self.modelled_ms, "stream_idle_ms": self.stream_idle_ms,
+                "step_terms": self.step_terms}
 
 
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,

@@ -16,7 +16,9 @@ meta cannot run (data-dependent output shape) also runs for real, and is charged
 
 Time: the mode keeps a stream clock like a CUDA stream. A kernel starts at max(now, the end
 of the previous kernel) and ends `modelled ms x time_scale` later (x (1 + overlap_slowdown)
-while an async collective issued under the mode is still in flight); the host runs ahead
+while an async collective issued under the mode is still in flight; a point-to-point send
+or receive does not count: a pipeline's isend stays in flight until its receiver takes it,
+mostly without moving bytes); the host runs ahead
 without waiting. A collective starts when the stream reaches it (its inputs must be
 computed: c10d and functional collectives are dispatched operators): with `stream_ordered_collectives` (the
 default) an in-place c10d collective issued while the stream is busy is handed to a
@@ -58,6 +60,10 @@ from dhelix.gpu_emulation.stream_ordered_issue import StreamOrderedIssuer, defer
 
 # DHelix paper, Table 7: concurrent compute and communication kernels run 20-30% slower on H100.
 H100_OVERLAP_SLOWDOWN = 0.25
+# point-to-point operators: an isend is in flight until its receiver takes it, which a
+# pipeline schedule may do much later (the W schedule's sends wait for the step's end), so
+# most of that time no bytes move; they do not slow kernels (only collectives do)
+POINT_TO_POINT = frozenset({"send", "recv_", "recv_any_source_"})
 # operators whose tensors are all uint8 and at most this large run for real: RNG states (the
 # CPU generator's is 5056 bytes), which Megatron's RNG tracker clones and restores (a faked
 # clone is garbage that `torch.set_rng_state` refuses: the folded PP=2 model is seeded per
@@ -230,7 +236,8 @@ class GpuEmulationMode(TorchDispatchMode):
                 return result
             self.synchronize()
             result = func(*args, **kwargs)
-            self._in_flight += [unboxed_work(w) for w in work_handles(result)]
+            if func._schema.name.split("::")[-1] not in POINT_TO_POINT:
+                self._in_flight += [unboxed_work(w) for w in work_handles(result)]
             return result
         if is_fill_factory(func):
             return self._fill_factory(func, args, kwargs)

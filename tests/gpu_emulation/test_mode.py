@@ -132,6 +132,20 @@ def _layer_and_collectives(ctx):
     ordered, recorded, _ = record_collectives(owed_then_all_reduce)
     out["under_recorder"] = (ordered, len(recorded))
 
+    # a pending isend (its receiver 0.3 s late) does not slow rank 0's kernel
+    dist.barrier()
+    mode = _mode(scale=1.0)
+    with mode:
+        if ctx.rank == 0:
+            send = dist.isend(torch.ones(8), dst=1)
+            big @ big
+            send.wait()
+        else:
+            time.sleep(0.3)
+            dist.recv(torch.empty(8), src=0)
+    gemm = mode.report().by_term.get("gemm.dgrad", TermTotal(0, 0.0, 0))
+    out["p2p_slowed"] = (gemm.count, gemm.slowed)
+
     # slowdown while an async collective is in flight (rank 0 joins it 0.5 s late)
     dist.barrier()
     if ctx.rank == 0:
@@ -177,6 +191,7 @@ def test_gpt_layer_and_collectives_under_the_mode():
         assert issued < 0.1 and done >= results[0][key][3] - 0.1 and ordered == 0 == owed, (
             key, results[1][key])
     assert results[0]["under_recorder"] == (0, 1), results[0]["under_recorder"]
+    assert results[0]["p2p_slowed"] == (1, 0), results[0]["p2p_slowed"]
     ms0, one0, slowed0, n0 = results[0]["slowdown"]
     ms1, one1, slowed1, n1 = results[1]["slowdown"]
     assert (slowed0, n0) == (0, 1) and ms0 == pytest.approx(one0)
@@ -313,3 +328,12 @@ def test_stream_ordered_issue_raises_a_collectives_error():
     issuer.submit(time.perf_counter(), _RaisingCollective(), ([],), {})
     with pytest.raises(RuntimeError, match="refused by the transport"):
         issuer.close()  # nobody waited: close raises it
+
+
+def test_point_to_point_operators_do_not_count_as_collectives_in_flight():
+    from dhelix.gpu_emulation.mode import POINT_TO_POINT
+
+    # the c10d operators a pipeline's isend / recv dispatch to
+    assert {torch.ops.c10d.send.default._schema.name.split("::")[-1],
+            torch.ops.c10d.recv_.default._schema.name.split("::")[-1]} <= POINT_TO_POINT
+    assert "allreduce_" not in POINT_TO_POINT
