@@ -18,19 +18,20 @@ Time: the mode keeps a stream clock like a CUDA stream. A kernel starts at max(n
 of the previous kernel) and ends `modelled ms x time_scale` later (x (1 + overlap_slowdown)
 while an async collective issued under the mode is still in flight; a point-to-point send
 or receive does not count: a pipeline's isend stays in flight until its receiver takes it,
-mostly without moving bytes); the host runs ahead
-without waiting. A collective starts when the stream reaches it (its inputs must be
-computed: c10d and functional collectives are dispatched operators): with `stream_ordered_collectives` (the
-default) an in-place c10d collective issued while the stream is busy is handed to a
-`StreamOrderedIssuer`, which issues it for real at that stream time while the host goes on
-issuing kernels, as a GPU's host does (`stream_ordered_issue`); other collectives, those
-issued under another dispatch mode entered before this one (which must see them on this
-thread, in order: `dhelix.bench.link_floor`'s recorder), and all with the option off, make the host wait (sleep, GIL released, no core held) until the
-stream is drained and then issue. The host also waits for the stream before a host read
-(`.item()`) and at `synchronize()` / leaving the mode. `Work.wait()` is not a dispatched
-operator and needs no flush: on a GPU it orders only the kernels issued after it, which the
-stream clock starts after the wait returned (on these CPU ranks the host blocks there until
-the bytes arrived). Collectives themselves run for real.
+mostly without moving bytes); the host runs ahead without waiting. A collective starts when
+the stream reaches it (its inputs must be computed: c10d and functional collectives are
+dispatched operators): with `stream_ordered_collectives` (the default) an in-place c10d
+collective issued while the stream is busy is handed to a `StreamOrderedIssuer`, which
+issues it for real at that stream time while the host goes on issuing kernels, as a GPU's
+host does (`stream_ordered_issue`). Other collectives, those issued under another dispatch
+mode entered before this one (which must see them on this thread, in order:
+`dhelix.bench.link_floor`'s recorder), and all with the option off, make the host wait
+(sleep, GIL released, no core held) until the stream is drained and then issue. The host
+also waits for the stream before a host read (`.item()`) and at `synchronize()` / leaving
+the mode. `Work.wait()` is not a dispatched operator and needs no flush: on a GPU it orders
+only the kernels issued after it, which the stream clock starts after the wait returned (on
+these CPU ranks the host blocks there until the bytes arrived). Collectives themselves run
+for real.
 
 Regions (`enter_region` / `exit_region`): a stretch of code whose GPU time is known as a
 whole (Megatron's unfused core attention, `dhelix.gpu_emulation.regions`) is charged once;
@@ -129,7 +130,6 @@ class EmulationReport:
     absorbed: int = 0
     stream_idle_s: float = 0.0
     stream_ordered: int = 0
-
 
 
 def _meta(value):

@@ -49,7 +49,6 @@ def deferrable(func) -> bool:
     return func.namespace == "c10d" and func._schema.name.split("::")[-1] in _DEFERRABLE
 
 
-
 class StreamOrderedWork(Work):
     """The handle the host gets for a collective not yet issued: `wait()` blocks until the
     issuer issued it and then waits on the real Work (what a CPU rank's wait does);
