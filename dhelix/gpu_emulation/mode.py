@@ -236,7 +236,7 @@ class GpuEmulationMode(TorchDispatchMode):
                 return result
             self.synchronize()
             result = func(*args, **kwargs)
-            if func._schema.name.split("::")[-1] not in POINT_TO_POINT:
+            if op_name(func) not in POINT_TO_POINT:
                 self._in_flight += [unboxed_work(w) for w in work_handles(result)]
             return result
         if is_fill_factory(func):

@@ -36,6 +36,7 @@ import time
 from torch._C._distributed_c10d import Work
 
 from dhelix.c10d_ops import unboxed_work
+from dhelix.gpu_emulation.aten_costs import namespace, op_name
 
 # c10d operators whose results are (their first argument, Work) or a Work alone
 _DEFERRABLE = frozenset({
@@ -46,7 +47,7 @@ _DEFERRABLE = frozenset({
 
 def deferrable(func) -> bool:
     """A c10d collective `StreamOrderedIssuer` may issue later (module docstring)."""
-    return func.namespace == "c10d" and func._schema.name.split("::")[-1] in _DEFERRABLE
+    return namespace(func) == "c10d" and op_name(func) in _DEFERRABLE
 
 
 class StreamOrderedWork(Work):

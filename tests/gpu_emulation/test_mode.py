@@ -331,9 +331,10 @@ def test_stream_ordered_issue_raises_a_collectives_error():
 
 
 def test_point_to_point_operators_do_not_count_as_collectives_in_flight():
+    from dhelix.gpu_emulation.aten_costs import op_name
     from dhelix.gpu_emulation.mode import POINT_TO_POINT
 
     # the c10d operators a pipeline's isend / recv dispatch to
-    assert {torch.ops.c10d.send.default._schema.name.split("::")[-1],
-            torch.ops.c10d.recv_.default._schema.name.split("::")[-1]} <= POINT_TO_POINT
+    assert {op_name(torch.ops.c10d.send.default),
+            op_name(torch.ops.c10d.recv_.default)} <= POINT_TO_POINT
     assert "allreduce_" not in POINT_TO_POINT
