@@ -65,6 +65,18 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return anchor
 
 
+def enter(tensor: torch.Tensor, sink: dict, key: str) -> torch.Tensor:
+    """`tensor` entered into the autograd graph that code run on the result records, as a
+    leaf whose storage the graph does not keep: the result is a view of `tensor` (same
+    device, dtype and storage) through a node that saves nothing, and when a backward
+    reaches that node it writes the gradient into `sink[key]` (None when no gradient
+    reached it) and stops there. Unlike `tensor.detach().requires_grad_()` (whose `.grad`
+    needs the leaf itself kept), the caller may drop `tensor` and the result as soon as the
+    forward is done: the storage then lives only as long as something in the graph saved
+    it, as in Megatron's own graph."""
+    return _Entry.apply(tensor, _anchor(tensor.device), sink, key)
+
+
 def _run_engine(roots: tuple, grads: tuple, inputs: tuple) -> None:
     """One autograd engine call from `roots` (gradient edges or tensors) with `grads`,
     accumulating into the leaves `inputs` (every node on a path to them runs, hooks

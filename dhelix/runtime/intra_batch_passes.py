@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dhelix.runtime.layer_runner import LayerRunner
+from dhelix.runtime.layer_runner import LayerRunner, take_handed
 from dhelix.runtime.operator_passes import OperatorPasses
 from dhelix.runtime.strand_executor import Block, run_blocks
 from megatron_patches.gpt_parts import GPTParts
@@ -43,24 +43,26 @@ class IntraBatchPasses(OperatorPasses):
         super().__init__(parts, runner, loss_at_forward=False)
         self.bwd_blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in bwd_blocks)
 
-    def layers_forward(self, layers: range, x: torch.Tensor, rotary_pos_emb):
-        halves = split_halves(x)
+    def layers_forward(self, layers: range, inputs: list, rotary_pos_emb):
+        halves = split_halves(take_handed(inputs))
         executions = []
         for layer in layers:
             pair = [self.runner.new_execution(layer) for _ in halves]
             for execution, half in zip(pair, halves):
                 execution.begin_forward(half, None, rotary_pos_emb)
+            halves = half = None  # the executions own them
             executions.append(pair)
             run_blocks(pair[0], pair[1], self.runner.blocks, barrier=self.runner.block_barriers,
                        timeline=self.runner.timeline)
             halves = [execution.end_forward() for execution in pair]
         return torch.cat(halves, dim=BATCH_DIM), executions
 
-    def layers_backward(self, executions: list, grad: torch.Tensor) -> torch.Tensor:
-        grads = split_halves(grad)
+    def layers_backward(self, executions: list, grads: list) -> torch.Tensor:
+        grads = split_halves(take_handed(grads))
         for pair in reversed(executions):
             for execution, half in zip(pair, grads):
                 execution.begin_backward(half)
+            grads = half = None  # the executions own them
             run_blocks(pair[0], pair[1], self.bwd_blocks, barrier=self.runner.block_barriers,
                        timeline=self.runner.timeline)
             grads = [execution.end_backward() for execution in pair]

@@ -4,9 +4,12 @@ One `LayerRunner` per rank serves every DHelix schedule (PP=1 and the folded W s
 it owns this rank's bound layers, the communication lanes and the plan (strand orders and
 blocks), and knows nothing about micro-batches, embeddings or losses.
 
-Tensor ownership: layer inputs handed in are plain tensors (no autograd graph); each layer
-execution holds its activations until their last backward reader and hands its output over
-(`dhelix.ops.runner`). The executions returned by a forward belong to the caller, who hands
+Tensor ownership: layer inputs and output gradients handed in are plain tensors (no
+autograd graph), passed in a one-element list that the runner empties (`take_handed`); the
+runner drops its own reference once a layer execution holds the tensor, so it is freed after
+its last reader in that execution (a layer's input after its first bias-dropout-add reads it
+as the residual), as in Megatron's forward and backward, not when the chunk pass ends. Each layer execution holds its activations until their last backward
+reader and hands its output over (`dhelix.ops.runner`). The executions returned by a forward belong to the caller, who hands
 them back, in backward order, to `backward_alone` or `run_paired`; after their backward
 they hold nothing. Compute runs on the calling thread / current stream, collectives on the
 lanes (`dhelix.runtime.lanes`).
@@ -21,6 +24,14 @@ import torch
 
 from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_alone, run_block, run_blocks
+
+
+def take_handed(holder: list) -> torch.Tensor:
+    """The one tensor in `holder`, which is emptied: the caller hands its only reference
+    over (the module docstring's ownership rule)."""
+    if len(holder) != 1:
+        raise ValueError(f"hand one tensor over in a one-element list, got {len(holder)} items")
+    return holder.pop()
 
 
 @dataclass(frozen=True)
@@ -84,33 +95,41 @@ class LayerRunner:
                        f"{getattr(fwd_programs, 'description', None)} with a backward of "
                        f"{getattr(bwd_programs, 'description', None)})")
 
-    def forward_alone(self, layers: Sequence[int], x: torch.Tensor,
+    def forward_alone(self, layers: Sequence[int], inputs: list,
                       rotary_pos_emb=None) -> tuple[torch.Tensor, list]:
-        """Forward of local layers `layers` in that order, each in the plan's forward order.
-        Returns the last output and the executions (forward order)."""
+        """Forward of local layers `layers` in that order, each in the plan's forward order,
+        from the first layer's input handed over in `inputs` (emptied). Returns the last
+        output and the executions (forward order)."""
         executions = []
+        x = take_handed(inputs)
         for layer in layers:
             execution = self.new_execution(layer)
             execution.begin_forward(x, None, rotary_pos_emb)
+            x = None  # the execution owns it
             run_alone(execution, self._plan(execution.programs, None).fwd_order, self.timeline)
             x = execution.end_forward()
             executions.append(execution)
         return x, executions
 
-    def backward_alone(self, executions: Sequence, grad: torch.Tensor) -> torch.Tensor:
-        """Backward through `executions` given in backward order (last layer first).
-        Returns the gradient of the first layer's input."""
+    def backward_alone(self, executions: Sequence, grads: list) -> torch.Tensor:
+        """Backward through `executions` given in backward order (last layer first), from
+        the gradient of the last layer's output handed over in `grads` (emptied). Returns
+        the gradient of the first layer's input."""
+        grad = take_handed(grads)
         for execution in executions:
             execution.begin_backward(grad)
+            grad = None  # the execution owns it
             run_alone(execution, self._plan(None, execution.programs).bwd_order, self.timeline)
             grad = execution.end_backward()
         return grad
 
-    def run_paired(self, fwd_layers: Sequence[int], x: torch.Tensor, rotary_pos_emb,
-                   bwd_executions: Sequence, grad: torch.Tensor):
+    def run_paired(self, fwd_layers: Sequence[int], inputs: list, rotary_pos_emb,
+                   bwd_executions: Sequence, grads: list):
         """The layers of an SI block: forward of local layer `fwd_layers[i]` co-executed,
         block by block as the plan says, with the backward of `bwd_executions[i]` (given in
-        backward order). Both lists have the same length.
+        backward order). Both lists have the same length. The first forward layer's input
+        and the gradient of the first backward layer's output are handed over in `inputs`
+        and `grads` (both emptied).
 
         With a `seam`, between two layer pairs the next pair's head blocks (forward only)
         run as one block, ended by a barrier, with this pair's tail blocks (backward only);
@@ -122,10 +141,12 @@ class LayerRunner:
             raise ValueError(f"an SI block pairs layers one to one: {len(fwd_layers)} "
                              f"forward layers, {len(bwd_executions)} backward layers")
         seam, count = self.seam, len(fwd_layers)
+        x, grad = take_handed(inputs), take_handed(grads)
         executions, unfinished = [], None  # the previous pair's backward, its tail not run
         for index, (layer, bwd) in enumerate(zip(fwd_layers, bwd_executions)):
             fwd = self.new_execution(layer)
             fwd.begin_forward(x, None, rotary_pos_emb)
+            x = None  # the execution owns it
             blocks = self._plan(fwd.programs, bwd.programs).blocks
             start, end = 0, len(blocks)
             if unfinished is not None:
@@ -133,6 +154,7 @@ class LayerRunner:
                 grad = unfinished.end_backward()
                 start = seam.head
             bwd.begin_backward(grad)
+            grad = None  # the execution owns it
             unfinished = bwd if seam is not None and index < count - 1 else None
             if unfinished is not None:
                 end -= seam.tail

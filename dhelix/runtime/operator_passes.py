@@ -11,9 +11,12 @@ stage, so the i-th layer of the forward chunk (global layer l) meets the i-th la
 backward chunk in backward order (global layer L-1-l): the pairing of the paper's section 4.
 
 Autograd is used only where Megatron's own code runs outside the layers: the embedding on
-the first chunk of the rank that embeds (its output's graph is kept until that
-micro-batch's last backward hop back-propagates into it), and the final norm, output layer
-and loss on the loss chunk, run on a detached leaf of the last layer's output. When the
+the first chunk of the rank that embeds (its output's graph is kept, by the output's
+gradient edge, until that micro-batch's last backward hop back-propagates into it), and the
+final norm, output layer and loss on the loss chunk, run on the last layer's output entered
+through `dhelix.ops.local_graph.enter` (which saves nothing, as the embedding edge keeps no
+tensor): those boundaries hold what Megatron's graph holds there and no more, so the
+embedding output and the last layer's output are freed after their last forward reader. When the
 loss part is back-propagated is `loss_at_forward`:
 - False (one stage): at the micro-batch's backward, as Megatron's schedules do, so every
   parameter of the rank gets its last gradient of the step in the last backward action
@@ -26,6 +29,9 @@ loss part is back-propagated is `loss_at_forward`:
 Either way the order in which micro-batches add into the output layer's gradient is the
 loss order. Layer activations are owned by their layer executions (`dhelix.ops.runner`),
 which the chunk pass state hands from the forward to the backward; nothing else keeps them.
+A chunk's input and the gradient of its output are handed to the layer runner in
+one-element lists (`layer_runner.take_handed`): no frame here keeps them alive while the
+chunk's layers run.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from dhelix.ops.local_graph import enter
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.schedules.executor import BackwardWork, ForwardWork
 from megatron_patches.gpt_parts import GPTParts, PreOutput
@@ -44,13 +53,15 @@ class ChunkPassState:
     """What the forward of one (micro-batch, chunk) leaves for its backward.
 
     `executions`: the chunk's layer executions in forward order (they own the activations);
-    `embedding`: the embedding output with its autograd graph (embedding hop only);
-    `hidden`: the leaf the loss part starts from (loss hop only, until back-propagated);
-    `hidden_grad`: its gradient once the loss was back-propagated (`loss_at_forward`)."""
+    `embedding`: the gradient edge of the embedding output, which keeps its autograd graph
+    but not the output (embedding hop only);
+    `hidden_sink`: where the loss part's backward leaves the gradient of the last layer's
+    output (loss hop only, `dhelix.ops.local_graph.enter`), under "hidden";
+    `hidden_grad`: that gradient once the loss was back-propagated (`loss_at_forward`)."""
 
     executions: list
-    embedding: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
+    embedding: GradientEdge | None = None
+    hidden_sink: dict | None = None
     hidden_grad: torch.Tensor | None = None
 
 
@@ -73,24 +84,28 @@ class OperatorPasses:
         self.loss_chunk = parts.num_chunks - 1 if parts.model.post_process else None
 
     # ------------------------------------------------------- layers (overridable)
-    def layers_forward(self, layers: range, x: torch.Tensor, rotary_pos_emb):
-        """(output, executions) of `layers` run alone on the layer input `x`."""
-        return self.runner.forward_alone(layers, x, rotary_pos_emb)
+    def layers_forward(self, layers: range, inputs: list, rotary_pos_emb):
+        """(output, executions) of `layers` run alone on the layer input handed over in
+        `inputs` (emptied)."""
+        return self.runner.forward_alone(layers, inputs, rotary_pos_emb)
 
-    def layers_backward(self, executions: list, grad: torch.Tensor) -> torch.Tensor:
-        """The input gradient of a chunk's layer executions (forward order) run backward."""
-        return self.runner.backward_alone(list(reversed(executions)), grad)
+    def layers_backward(self, executions: list, grads: list) -> torch.Tensor:
+        """The input gradient of a chunk's layer executions (forward order) run backward
+        from the output gradient handed over in `grads` (emptied)."""
+        return self.runner.backward_alone(list(reversed(executions)), grads)
 
     # ------------------------------------------------------------------ forward
     def _forward_head(self, work: ForwardWork):
-        """(layer input, RoPE table, embedding output with graph or None)."""
+        """([layer input], RoPE table, the embedding output's gradient edge or None): the
+        layer input in a one-element list, to hand to the layer runner."""
         batch = work.batch
         if work.inp is None:
             pre = self.parts.pre(batch["tokens"], batch["position_ids"])
-            return pre.decoder_input.detach(), pre.rotary_pos_emb, pre.decoder_input
+            edge = get_gradient_edge(pre.decoder_input)
+            return [pre.decoder_input.detach()], pre.rotary_pos_emb, edge
         x = work.inp.detach()
         pre = self.parts.pre(batch["tokens"], batch["position_ids"], decoder_input=x)
-        return x, pre.rotary_pos_emb, None
+        return [x], pre.rotary_pos_emb, None
 
     def _forward_tail(self, work: ForwardWork, y, rotary_pos_emb, embedding, executions):
         """(state, output): the output is the per-token loss on the loss hop, else the last
@@ -98,15 +113,17 @@ class OperatorPasses:
         state = ChunkPassState(executions=executions, embedding=embedding)
         if work.chunk != self.loss_chunk:
             return state, y
-        state.hidden = y.detach().requires_grad_(True)
+        state.hidden_sink = {}
+        hidden = enter(y.detach(), state.hidden_sink, "hidden")
+        del y
         batch = work.batch
-        out = self.parts.post(state.hidden, batch["tokens"], batch["position_ids"],
+        out = self.parts.post(hidden, batch["tokens"], batch["position_ids"],
                               batch["labels"], PreOutput(work.inp, rotary_pos_emb))
         return state, out
 
     def forward(self, work: ForwardWork):
-        x, rotary, embedding = self._forward_head(work)
-        y, executions = self.layers_forward(self.chunk_layers[work.chunk], x, rotary)
+        inputs, rotary, embedding = self._forward_head(work)
+        y, executions = self.layers_forward(self.chunk_layers[work.chunk], inputs, rotary)
         return self._forward_tail(work, y, rotary, embedding, executions)
 
     # ----------------------------------------------------------------- backward
@@ -118,20 +135,21 @@ class OperatorPasses:
             return loss
         with self.parts.tied_loss_tail():
             torch.autograd.backward(loss)
-        state.hidden_grad, state.hidden = state.hidden.grad, None
+        state.hidden_grad, state.hidden_sink = state.hidden_sink.pop("hidden", None), None
         return None
 
-    def _backward_head(self, work: BackwardWork) -> torch.Tensor:
-        """The gradient of the chunk's last layer output (from the loss on the loss hop)."""
+    def _backward_head(self, work: BackwardWork) -> list:
+        """[the gradient of the chunk's last layer output] (from the loss on the loss hop),
+        a one-element list to hand to the layer runner."""
         state = work.state
         if work.loss is not None:
             with self.parts.tied_loss_tail():
                 torch.autograd.backward(work.loss)
-            state.hidden_grad, state.hidden = state.hidden.grad, None
+            state.hidden_grad, state.hidden_sink = state.hidden_sink.pop("hidden", None), None
         if state.hidden_grad is None:
-            return work.grad
+            return [work.grad]
         grad, state.hidden_grad = state.hidden_grad, None
-        return grad
+        return [grad]
 
     def _backward_tail(self, work: BackwardWork, grad: torch.Tensor):
         """The pass's input gradient, or None after back-propagating into the embedding."""
@@ -145,8 +163,8 @@ class OperatorPasses:
         return None
 
     def backward(self, work: BackwardWork):
-        grad = self._backward_head(work)
-        grad = self.layers_backward(work.state.executions, grad)
+        grads = self._backward_head(work)
+        grad = self.layers_backward(work.state.executions, grads)
         return self._backward_tail(work, grad)
 
     def finish_step(self) -> None:
@@ -158,10 +176,10 @@ class OperatorPasses:
     def si(self, forward: ForwardWork, backward: BackwardWork):
         """The SI block: the backward's loss part first, then the layer pairs co-executed,
         then the forward's loss part and the backward's embedding part."""
-        grad = self._backward_head(backward)
-        x, rotary, embedding = self._forward_head(forward)
+        grads = self._backward_head(backward)
+        inputs, rotary, embedding = self._forward_head(forward)
         y, executions, grad = self.runner.run_paired(
-            self.chunk_layers[forward.chunk], x, rotary,
-            list(reversed(backward.state.executions)), grad)
+            self.chunk_layers[forward.chunk], inputs, rotary,
+            list(reversed(backward.state.executions)), grads)
         result = self._forward_tail(forward, y, rotary, embedding, executions)
         return result, self._backward_tail(backward, grad)
