@@ -132,6 +132,12 @@ class EmulationReport:
     stream_ordered: int = 0
 
 
+def gpu_emulated() -> bool:
+    """True while a `GpuEmulationMode` is active on this thread: code that picks a kernel by
+    device (`megatron_patches.sdpa_attention`) then picks the one a GPU would run."""
+    return any(isinstance(mode, GpuEmulationMode) for mode in _get_current_dispatch_mode_stack())
+
+
 def _meta(value):
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")

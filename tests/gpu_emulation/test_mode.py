@@ -338,3 +338,31 @@ def test_point_to_point_operators_do_not_count_as_collectives_in_flight():
     assert {op_name(torch.ops.c10d.send.default),
             op_name(torch.ops.c10d.recv_.default)} <= POINT_TO_POINT
     assert "allreduce_" not in POINT_TO_POINT
+
+
+def test_sdpa_core_attention_is_charged_as_the_fused_kernel_under_the_mode():
+    """`SDPAttention` runs torch's math kernel on CPU (parity with Megatron's attention),
+    but under the mode the CPU stands in for a GPU: the fused kernel is dispatched and
+    charged (`attention.sdpa`), and no [b, heads, s, s] probabilities are materialised."""
+    from torch.profiler import profile
+
+    from dhelix.gpu_emulation.mode import gpu_emulated
+    from tests.test_sdpa_attention import _pair
+
+    _, sdpa = _pair(heads=4, groups=2, tp=1, dtype=torch.float32, sequence_parallel=False)
+    q = torch.randn(64, 2, 4, 16)
+    k, v = torch.randn(64, 2, 2, 16), torch.randn(64, 2, 2, 16)
+    assert not gpu_emulated()
+    with profile() as outside:
+        sdpa(q, k, v, None)
+    mode = _mode(scale=1.0)
+    with mode:
+        assert gpu_emulated()
+        sdpa(q, k, v, None)
+    assert not gpu_emulated()
+    names = {e.name for e in outside.events()}
+    assert "aten::_scaled_dot_product_attention_math" in names, names
+    assert mode.report().by_term["attention.sdpa.fwd"].count == 1
+    charged = mode.report().by_op
+    assert any("flash_attention" in op for op in charged), charged
+    assert not any("softmax" in op or "bmm" in op or "math" in op for op in charged), charged
