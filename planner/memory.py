@@ -24,8 +24,11 @@ and B[b:j] holds at most
 above the pair's start, whatever the interleaving. The reference is the sequential plan
 (`planner.baselines.sequential_pairing`: the whole backward layer, then the whole forward
 layer) in program order, whose peak is that of Megatron's backward over the same L layers:
-`max(max P_b, L_b[m] + max P_f)`. The budget is that plus a margin; the plan "all of B,
-then all of F" of the program orders always fits it, so the DP always has a plan.
+`max(max P_b, L_b[m] + max P_f)`, or, where it is larger, what the step holds outside the
+layer pairs on top of the same L layers (`outside_bytes`: without pipelining, the loss
+part's forward and backward at the first backward's start, which is where Megatron's step
+peaks; a layer pair reaching it raises no peak). The budget is that plus a margin; the plan
+"all of B, then all of F" of the program orders always fits it, so the DP always has a plan.
 """
 
 from __future__ import annotations
@@ -56,20 +59,24 @@ class OpMemory:
 class MemoryBound:
     """Measured memory of both directions and the budget a block must fit (bytes above
     the layer pair's start). `reference_bytes`: the sequential plan's peak (program
-    orders, backward first); `margin_bytes`: the allowance above it."""
+    orders, backward first); `outside_bytes`: the most the step holds outside the layer
+    pairs above the same layers' activations (0: not known); `margin_bytes`: the allowance
+    above the larger of the two."""
 
     fwd: OpMemory
     bwd: OpMemory
     reference_bytes: float
     margin_bytes: float
+    outside_bytes: float = 0.0
 
     @property
     def budget_bytes(self) -> float:
-        return self.reference_bytes + self.margin_bytes
+        return max(self.reference_bytes, self.outside_bytes) + self.margin_bytes
 
     def summary(self) -> dict:
         """What a plan records of the bound (MiB)."""
         return {"reference_mib": round(self.reference_bytes / MIB, 3),
+                "outside_mib": round(self.outside_bytes / MIB, 3),
                 "margin_mib": round(self.margin_bytes / MIB, 3),
                 "budget_mib": round(self.budget_bytes / MIB, 3)}
 
@@ -97,13 +104,14 @@ def sequential_peak(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory) -> float
 
 
 def make_bound(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory,
-               margin_bytes: float) -> MemoryBound:
+               margin_bytes: float, outside_bytes: float = 0.0) -> MemoryBound:
     """The bound for these measurements, the reference being the sequential plan over the
-    program orders `fwd_order` / `bwd_order`."""
-    if margin_bytes < 0:
-        raise ValueError(f"memory margin must be >= 0, got {margin_bytes}")
+    program orders `fwd_order` / `bwd_order`, or `outside_bytes` where larger."""
+    if margin_bytes < 0 or outside_bytes < 0:
+        raise ValueError(f"memory margin and outside peak must be >= 0, got {margin_bytes} "
+                         f"and {outside_bytes}")
     return MemoryBound(fwd, bwd, sequential_peak(fwd_order, bwd_order, fwd, bwd),
-                       float(margin_bytes))
+                       float(margin_bytes), float(outside_bytes))
 
 
 def _range_max(values: np.ndarray, closed: bool) -> np.ndarray:

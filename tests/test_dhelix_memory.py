@@ -4,9 +4,10 @@ embedding's (`megatron_patches.tied_embedding`: one vocab/TP x hidden fp32 tenso
 micro-batch) (tensor storage allocated by the compute thread, dhelix.memtrace), on the tiny
 model with TP=2 + SP and 4 micro-batches; the plan was made under the DP's memory bound
 (`planner.memory`), which keeps each layer pair's forward allocations behind its backward's
-frees, so what DHelix holds beyond Megatron is outside the layers: that gradient and the
-next micro-batch's embedding output. (Before the bound: Megatron x 1.03 + one layer's
-activations + the tied gradient.)
+frees, so what DHelix holds beyond Megatron is outside the layers: that gradient (the
+embedding output, the loss part's input and a chunk's input are freed after their last
+reader, `docs/runtime.md`). (Before the bound: Megatron x 1.03 + one layer's activations +
+the tied gradient.)
 
 Why 1.10 and not the 1.05 the benchmark model meets on average: over five runs (ten rank
 readings) DHelix read 6.73-7.04 MiB and Megatron 6.36-6.99 MiB (single readings

@@ -28,6 +28,14 @@ from megatron_patches.moe_regions import record_tracker_state
 from planner.memory import OpMemory
 
 
+def _max_over(values: list, device, group) -> list:
+    """`values` (floats) reduced to their maximum over `group` (default the world)."""
+    tensor = torch.tensor(values, device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in tensor.tolist()]
+
+
 @contextmanager
 def _no_side_effects(layer):
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -86,11 +94,7 @@ def measure_op_memory(bound, device: torch.device, rotary_pos_emb=None, group=No
         readings = measure_steps([step(o) for o in fwd_ids] + [turn]
                                  + [step(o) for o in bwd_ids] + [finish])
     handed.clear()
-    values = torch.tensor([v for pair in readings for v in pair], device=device,
-                          dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    flat = [float(v) for v in values.tolist()]
+    flat = _max_over([v for pair in readings for v in pair], device, group)
     readings = list(zip(flat[0::2], flat[1::2]))
     fwd_r, bwd_r = readings[:len(fwd_ids)], readings[len(fwd_ids) + 1:-1]
     return (_op_memory(fwd_ids, fwd_r, 0.0),
@@ -107,3 +111,35 @@ def _op_memory(ids, readings, start: float) -> OpMemory:
         transient[op_id] = int(max(peak, live) - before)
         before = live
     return OpMemory(delta, transient)
+
+
+def measure_loss_part_peak(parts, desc, device: torch.device, rotary_pos_emb=None,
+                           group=None) -> float:
+    """The most one micro-batch's loss part (final norm, output layer and loss,
+    `GPTParts.post`) holds above what existed before it, over its forward and its backward
+    from the per-token losses' sum: at Megatron's step peak (its first backward's start)
+    this sits on top of the layers' saved activations. Run on a zero hidden state of the
+    layer output's shape (`desc`, a layer's `LayerDescription`) and zero tokens on `device`,
+    with every parameter of `parts.model` not requiring grad for the call (so no gradient
+    reaches `param.grad` / `main_grad`: the output layer's weight gradient is not part of
+    the reading, which errs low) and the RNG states restored. Collective over the loss
+    part's groups (its vocabulary-parallel cross-entropy) and `group` (default the world),
+    whose ranks get the same reading (their maximum), in bytes."""
+    from dhelix.memtrace import measure_steps
+    from megatron_patches.gpt_parts import PreOutput
+
+    dtype = getattr(torch, desc.dtype)
+    shape = (desc.local_seq, desc.micro_batch_size, desc.hidden_size)
+    tokens = torch.zeros(desc.micro_batch_size, desc.seq_length, dtype=torch.long,
+                         device=device)
+    positions = torch.arange(desc.seq_length, device=device).unsqueeze(0).expand_as(tokens)
+
+    def forward_backward():
+        hidden = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+        losses = parts.post(hidden, tokens, positions, tokens,
+                            PreOutput(decoder_input=None, rotary_pos_emb=rotary_pos_emb))
+        torch.autograd.backward(losses.sum())
+
+    with _no_side_effects(parts.model):
+        (_, peak), = measure_steps([forward_backward])
+    return _max_over([float(peak)], device, group)[0]

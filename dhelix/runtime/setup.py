@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dhelix.dag import save_dag, topological_sort
 from dhelix.devices import model_device
-from dhelix.runtime.memory_profile import measure_op_memory
+from dhelix.runtime.memory_profile import measure_loss_part_peak, measure_op_memory
 from dhelix.ops.runner import BoundLayer
 from dhelix.options import AUTO_MEMORY_MARGIN, SEQUENTIAL, DHelixOptions, DHelixRun
 from dhelix.parallel import Job
@@ -266,15 +266,24 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     `--dhelix-no-memory-bound` or for a pairer other than dp (the baselines are not
     searched). The margin is `--dhelix-memory-margin`, else AUTO_MEMORY_MARGIN of the saved
     activations of this chunk's layers (one layer's forward leaves `layer_activation_bytes`
-    live; Megatron's peak holds them all at once at the end of a forward)."""
+    live; Megatron's peak holds them all at once at the end of a forward). Without
+    pipelining a layer pair may also reach what the loss part holds on top of the layers'
+    activations (`measure_loss_part_peak`, `planner.memory`'s `outside_bytes`): the SI
+    schedule and Megatron's both peak there, at a backward's start, where the two
+    micro-batches' live layers number L as at every layer pair's start."""
     options = run.options
     if not options.memory_bound or options.pairer != "dp":
         return None
     rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
-    mem_f, mem_b = measure_op_memory(bound_layers[0], model_device(parts.model), rope,
-                                     _stage_group())
+    device = model_device(parts.model)
+    mem_f, mem_b = measure_op_memory(bound_layers[0], device, rope, _stage_group())
+    outside = 0.0
+    if not run.parallel.pipelined and parts.model.post_process:
+        outside = measure_loss_part_peak(parts, bound_layers[0].description, device, rope,
+                                         _stage_group())
     margin = _memory_margin(options, len(bound_layers), fwd, mem_f)
-    return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin)
+    return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin,
+                      outside)
 
 
 def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):

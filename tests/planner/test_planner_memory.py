@@ -118,6 +118,26 @@ def test_mask_rejects_the_faster_plan_that_exceeds_the_budget(overlapping_layer)
     assert pairing_peak(relaxed.pairing, mem_f, mem_b) <= wide.budget_bytes
 
 
+def test_what_the_step_holds_outside_the_pairs_widens_the_budget(overlapping_layer):
+    """A layer pair may reach the step's peak outside the layer pairs (the loss part's, on
+    top of the same layers' activations) with no new peak: `outside_bytes` replaces the
+    sequential reference where larger, the margin still comes on top."""
+    fwd, bwd, costs, mem_f, mem_b = overlapping_layer
+    f_order, b_order = topological_sort(fwd), topological_sort(bwd)
+    below = make_bound(f_order, b_order, mem_f, mem_b, 0, outside_bytes=1 * MIB)
+    assert below.budget_bytes == below.reference_bytes == 2 * MIB  # the larger of the two
+    assert dp_search(fwd, bwd, costs, memory=below).planned_ms == pytest.approx(
+        costs.sequential_ms())
+    outside = make_bound(f_order, b_order, mem_f, mem_b, 1 * MIB, outside_bytes=9 * MIB)
+    assert outside.budget_bytes == 10 * MIB
+    assert outside.summary()["outside_mib"] == 9.0
+    planned = dp_search(fwd, bwd, costs, memory=outside)
+    assert planned.planned_ms == pytest.approx(8.4)
+    assert pairing_peak(planned.pairing, mem_f, mem_b) <= outside.budget_bytes
+    with pytest.raises(ValueError, match="outside peak"):
+        make_bound(f_order, b_order, mem_f, mem_b, 0, outside_bytes=-1)
+
+
 def test_sequential_pairing_runs_the_backward_first_and_meets_the_reference(overlapping_layer):
     fwd, bwd, _, mem_f, mem_b = overlapping_layer
     pairing = sequential_pairing(fwd, bwd)
