@@ -8,11 +8,12 @@ Tensor ownership: layer inputs and output gradients handed in are plain tensors 
 autograd graph), passed in a one-element list that the runner empties (`take_handed`); the
 runner drops its own reference once a layer execution holds the tensor, so it is freed after
 its last reader in that execution (a layer's input after its first bias-dropout-add reads it
-as the residual), as in Megatron's forward and backward, not when the chunk pass ends. Each layer execution holds its activations until their last backward
-reader and hands its output over (`dhelix.ops.runner`). The executions returned by a forward belong to the caller, who hands
-them back, in backward order, to `backward_alone` or `run_paired`; after their backward
-they hold nothing. Compute runs on the calling thread / current stream, collectives on the
-lanes (`dhelix.runtime.lanes`).
+as the residual), as in Megatron's forward and backward, not when the chunk pass ends. Each
+layer execution holds its activations until their last backward reader and hands its output
+over (`dhelix.ops.runner`). The executions returned by a forward belong to the caller, who
+hands them back, in backward order, to `backward_alone` or `run_paired`; after their
+backward they hold nothing. Compute runs on the calling thread / current stream, collectives
+on the lanes (`dhelix.runtime.lanes`).
 """
 
 from __future__ import annotations

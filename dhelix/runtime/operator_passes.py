@@ -16,8 +16,8 @@ gradient edge, until that micro-batch's last backward hop back-propagates into i
 final norm, output layer and loss on the loss chunk, run on the last layer's output entered
 through `dhelix.ops.local_graph.enter` (which saves nothing, as the embedding edge keeps no
 tensor): those boundaries hold what Megatron's graph holds there and no more, so the
-embedding output and the last layer's output are freed after their last forward reader. When the
-loss part is back-propagated is `loss_at_forward`:
+embedding output and the last layer's output are freed after their last forward reader.
+When the loss part is back-propagated is `loss_at_forward`:
 - False (one stage): at the micro-batch's backward, as Megatron's schedules do, so every
   parameter of the rank gets its last gradient of the step in the last backward action
   (the executor's `no_sync` rule is then exact, also with `overlap_grad_reduce`). One
@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dhelix.ops.local_graph import enter
