@@ -24,3 +24,14 @@ def model_device(model) -> torch.device:
         for param in chunk.parameters():
             return param.device
     return compute_device()
+
+
+def gpu_emulated() -> bool:
+    """True while a dispatch mode that stands a CPU in for a GPU is active on this thread
+    (`dhelix.gpu_emulation.mode.GpuEmulationMode`, which says so by its class attribute
+    `emulates_gpu`): code that picks a kernel by device type
+    (`megatron_patches.sdpa_attention`) then picks the one a GPU would run."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(getattr(mode, "emulates_gpu", False)
+               for mode in _get_current_dispatch_mode_stack())

@@ -38,6 +38,7 @@ from megatron.core.utils import divide
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dhelix.devices import gpu_emulated
 from dhelix.options import ATTENTION_CHOICES
 
 
@@ -126,11 +127,9 @@ class SDPAttention(MegatronModule):
     def _sdpa(self, q, k, v, dropout_p: float, gqa: bool):
         """torch picks the fused kernel on CUDA; on CPU the math kernel (torch's reference
         composition, rather than its CPU flash kernel), except under dhelix's GPU emulation
-        (timing only, the CPU standing in for a GPU: `dhelix.gpu_emulation.mode`), where
+        (timing only, the CPU standing in for a GPU: `dhelix.devices.gpu_emulated`), where
         torch's pick (its CPU flash kernel) is what gets charged the fused kernel's time
         and memory, as on the GPU, not the math kernel's materialised probabilities."""
-        from dhelix.gpu_emulation.mode import gpu_emulated
-
         cpu = q.device.type == "cpu" and not gpu_emulated()
         with sdpa_kernel(SDPBackend.MATH) if cpu else contextlib.nullcontext():
             return torch.nn.functional.scaled_dot_product_attention(

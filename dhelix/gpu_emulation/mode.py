@@ -132,12 +132,6 @@ class EmulationReport:
     stream_ordered: int = 0
 
 
-def gpu_emulated() -> bool:
-    """True while a `GpuEmulationMode` is active on this thread: code that picks a kernel by
-    device (`megatron_patches.sdpa_attention`) then picks the one a GPU would run."""
-    return any(isinstance(mode, GpuEmulationMode) for mode in _get_current_dispatch_mode_stack())
-
-
 def _meta(value):
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
@@ -145,7 +139,10 @@ def _meta(value):
 
 
 class GpuEmulationMode(TorchDispatchMode):
-    """See the module docstring. `report()` at any time; `synchronize()` drains the stream."""
+    """See the module docstring. `report()` at any time; `synchronize()` drains the stream.
+    `emulates_gpu` marks it for `dhelix.devices.gpu_emulated`."""
+
+    emulates_gpu = True
 
     def __init__(self, model: KernelTimeModel, config: EmulationConfig = EmulationConfig()):
         super().__init__()

@@ -346,7 +346,7 @@ def test_sdpa_core_attention_is_charged_as_the_fused_kernel_under_the_mode():
     charged (`attention.sdpa`), and no [b, heads, s, s] probabilities are materialised."""
     from torch.profiler import profile
 
-    from dhelix.gpu_emulation.mode import gpu_emulated
+    from dhelix.devices import gpu_emulated
     from tests.test_sdpa_attention import _pair
 
     _, sdpa = _pair(heads=4, groups=2, tp=1, dtype=torch.float32, sequence_parallel=False)
