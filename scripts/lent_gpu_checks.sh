@@ -69,7 +69,8 @@ for row in stock_sdpa dhelix_sequential; do
 done
 if [[ " $STEPS " == *" cluster "* ]]; then
     # shellcheck disable=SC2086 (CLUSTER_ARGS splits into words on purpose)
+    # --out first: CLUSTER_ARGS may end with `-- <Megatron model arguments>`
     CUDA_VISIBLE_DEVICES= step cluster_bench "$CLUSTER_S" $PY scripts/bench_systems.py \
-        ${CLUSTER_ARGS:---configs a --reps 4} --out "$OUT/cluster"
+        --out "$OUT/cluster" ${CLUSTER_ARGS:---configs a --reps 4}
 fi
 cat "$OUT/summary.txt"
