@@ -58,8 +58,8 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                         "than the sequential plan (backward layer, then forward layer; "
                         "Megatron's peak) plus this many MiB, by the per-operator memory "
                         "measured at start-up; default: 5%% of the saved activations of this "
-                        "stage's layers, so the peak stays within about 1.05x Megatron's "
-                        "(docs/planner.md)")
+                        "stage's layers and, without pipelining, of the loss part's peak, so "
+                        "the peak stays within about 1.05x Megatron's (docs/planner.md)")
     _off_switch(g, "--dhelix-no-memory-bound", "dhelix_memory_bound",
                 "plan without the memory bound: the fastest plan, which may hold up "
                 "to one more layer's activations than Megatron")

@@ -60,7 +60,8 @@ class DHelixOptions:
     # --dhelix-no-memory-bound: False (the DP's plan is not bounded, planner.memory)
     memory_bound: bool = True
     # --dhelix-memory-margin MIB: the DP's blocks stay within the sequential plan's peak plus
-    # this; None: AUTO_MEMORY_MARGIN of the stage's layers' saved activations
+    # this; None: AUTO_MEMORY_MARGIN of the stage's layers' saved activations and, without
+    # pipelining, of the loss part's peak
     memory_margin_mib: float | None = None
     attention: str = "megatron"  # --dhelix-attention: megatron | sdpa
     commfree_timing_only: bool = False  # --dhelix-commfree-timing-only (benchmark bound)

@@ -36,6 +36,19 @@ def _max_over(values: list, device, group) -> list:
     return [float(v) for v in tensor.tolist()]
 
 
+def boundary_spec(desc) -> tuple:
+    """(shape, dtype) of a layer's input and output, and of their gradients: the
+    [local sequence, micro-batch, hidden] tensor one layer hands the next (`desc`, a
+    layer's `LayerDescription`)."""
+    return (desc.local_seq, desc.micro_batch_size, desc.hidden_size), getattr(torch, desc.dtype)
+
+
+def boundary_bytes(desc) -> int:
+    """Bytes of one such boundary tensor (`boundary_spec`)."""
+    (seq, batch, hidden), dtype = boundary_spec(desc)
+    return seq * batch * hidden * dtype.itemsize
+
+
 @contextmanager
 def _no_side_effects(layer):
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -72,8 +85,7 @@ def measure_op_memory(bound, device: torch.device, rotary_pos_emb=None, group=No
     execution = bound.new_execution()
     programs = bound.programs
     fwd_ids, bwd_ids = programs.forward.ids, programs.backward.ids
-    dtype = getattr(torch, desc.dtype)
-    shape = (desc.local_seq, desc.micro_batch_size, desc.hidden_size)
+    shape, dtype = boundary_spec(desc)
     x = torch.zeros(shape, dtype=dtype, device=device)
     grad = torch.zeros(shape, dtype=dtype, device=device)
     handed = {}
@@ -128,8 +140,7 @@ def measure_loss_part_peak(parts, desc, device: torch.device, rotary_pos_emb=Non
     from dhelix.memtrace import measure_steps
     from megatron_patches.gpt_parts import PreOutput
 
-    dtype = getattr(torch, desc.dtype)
-    shape = (desc.local_seq, desc.micro_batch_size, desc.hidden_size)
+    shape, dtype = boundary_spec(desc)
     tokens = torch.zeros(desc.micro_batch_size, desc.seq_length, dtype=torch.long,
                          device=device)
     positions = torch.arange(desc.seq_length, device=device).unsqueeze(0).expand_as(tokens)

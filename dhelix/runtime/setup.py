@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from dhelix.dag import save_dag, topological_sort
 from dhelix.devices import model_device
-from dhelix.runtime.memory_profile import measure_loss_part_peak, measure_op_memory
+from dhelix.runtime.memory_profile import (boundary_bytes, measure_loss_part_peak,
+                                          measure_op_memory)
 from dhelix.ops.runner import BoundLayer
 from dhelix.options import AUTO_MEMORY_MARGIN, SEQUENTIAL, DHelixOptions, DHelixRun
 from dhelix.parallel import Job
@@ -252,12 +253,15 @@ def _kind_name(programs) -> str:
     return "MoE" if programs.description.moe is not None else "dense"
 
 
-def _memory_margin(options: DHelixOptions, layers: int, fwd, mem_f) -> float:
-    """`--dhelix-memory-margin`, else AUTO_MEMORY_MARGIN of the saved activations of
-    `layers` layers like the one `fwd` / `mem_f` describe."""
+def _memory_margin(options: DHelixOptions, layers: int, fwd, mem_f,
+                   outside_bytes: float = 0.0) -> float:
+    """`--dhelix-memory-margin`, else AUTO_MEMORY_MARGIN of what the bound sees of
+    Megatron's peak: the saved activations of `layers` layers like the one `fwd` / `mem_f`
+    describe, plus `outside_bytes` (the loss part on top of them, where measured)."""
     if options.memory_margin_mib is not None:
         return options.memory_margin_mib * MIB
-    return AUTO_MEMORY_MARGIN * layers * layer_activation_bytes(topological_sort(fwd), mem_f)
+    activations = layers * layer_activation_bytes(topological_sort(fwd), mem_f)
+    return AUTO_MEMORY_MARGIN * (activations + outside_bytes)
 
 
 def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
@@ -266,24 +270,27 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     `--dhelix-no-memory-bound` or for a pairer other than dp (the baselines are not
     searched). The margin is `--dhelix-memory-margin`, else AUTO_MEMORY_MARGIN of the saved
     activations of this chunk's layers (one layer's forward leaves `layer_activation_bytes`
-    live; Megatron's peak holds them all at once at the end of a forward). Without
+    live; Megatron's peak holds them all at once at the end of a forward) and of the loss
+    part's reading where there is one (Megatron's peak holds it on top). Without
     pipelining a layer pair may also reach what the loss part holds on top of the layers'
     activations (`measure_loss_part_peak`, `planner.memory`'s `outside_bytes`): the SI
     schedule and Megatron's both peak there, at a backward's start, where the two
-    micro-batches' live layers number L as at every layer pair's start."""
+    micro-batches' live layers number L as at every layer pair's start; less the two
+    boundary tensors a layer pair holds at its start besides (`pair_start_bytes`)."""
     options = run.options
     if not options.memory_bound or options.pairer != "dp":
         return None
     rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
     device = model_device(parts.model)
     mem_f, mem_b = measure_op_memory(bound_layers[0], device, rope, _stage_group())
-    outside = 0.0
+    outside = pair_start = 0.0
     if not run.parallel.pipelined and parts.model.post_process:
-        outside = measure_loss_part_peak(parts, bound_layers[0].description, device, rope,
-                                         _stage_group())
-    margin = _memory_margin(options, len(bound_layers), fwd, mem_f)
+        desc = bound_layers[0].description
+        outside = measure_loss_part_peak(parts, desc, device, rope, _stage_group())
+        pair_start = 2 * boundary_bytes(desc)  # the forward's input, the backward's gradient
+    margin = _memory_margin(options, len(bound_layers), fwd, mem_f, outside)
     return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin,
-                      outside)
+                      outside, pair_start)
 
 
 def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):

@@ -138,6 +138,27 @@ def test_what_the_step_holds_outside_the_pairs_widens_the_budget(overlapping_lay
         make_bound(f_order, b_order, mem_f, mem_b, 0, outside_bytes=-1)
 
 
+def test_what_a_pair_holds_at_its_start_comes_off_the_outside_allowance(overlapping_layer):
+    """The forward's input and the backward's gradient are live when a layer pair starts,
+    on top of the layers' activations, where Megatron's loss part holds neither: they come
+    off `outside_bytes`, never below the sequential reference, and the plan then stays
+    within the narrower budget."""
+    fwd, bwd, costs, mem_f, mem_b = overlapping_layer
+    f_order, b_order = topological_sort(fwd), topological_sort(bwd)
+    bound = make_bound(f_order, b_order, mem_f, mem_b, 0, outside_bytes=12 * MIB,
+                       pair_start_bytes=4 * MIB)
+    assert bound.budget_bytes == 8 * MIB
+    assert bound.summary()["pair_start_mib"] == 4.0
+    planned = dp_search(fwd, bwd, costs, memory=bound)
+    assert pairing_peak(planned.pairing, mem_f, mem_b) <= 8 * MIB < 10 * MIB
+    assert planned.planned_ms == pytest.approx(costs.sequential_ms())  # 10 MiB plan excluded
+    floor = make_bound(f_order, b_order, mem_f, mem_b, 0, outside_bytes=3 * MIB,
+                       pair_start_bytes=4 * MIB)
+    assert floor.budget_bytes == floor.reference_bytes == 2 * MIB
+    with pytest.raises(ValueError, match="pair start"):
+        make_bound(f_order, b_order, mem_f, mem_b, 0, pair_start_bytes=-1)
+
+
 def test_sequential_pairing_runs_the_backward_first_and_meets_the_reference(overlapping_layer):
     fwd, bwd, _, mem_f, mem_b = overlapping_layer
     pairing = sequential_pairing(fwd, bwd)
