@@ -68,8 +68,8 @@ for row in stock_sdpa dhelix_sequential; do
     [ -f "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ] && cp "$trace" "$OUT/"
 done
 if [[ " $STEPS " == *" cluster "* ]]; then
-    # shellcheck disable=SC2086 (CLUSTER_ARGS splits into words on purpose)
     # --out first: CLUSTER_ARGS may end with `-- <Megatron model arguments>`
+    # shellcheck disable=SC2086 (CLUSTER_ARGS splits into words on purpose)
     CUDA_VISIBLE_DEVICES= step cluster_bench "$CLUSTER_S" $PY scripts/bench_systems.py \
         --out "$OUT/cluster" ${CLUSTER_ARGS:---configs a --reps 4}
 fi
