@@ -23,3 +23,15 @@ def unboxed_work(work):
     from torch._C._distributed_c10d import Work
 
     return work if isinstance(work, Work) else Work.unbox(work)
+
+
+def process_group_of(args):
+    """The ProcessGroup a dispatched c10d operator runs on (the first of its arguments that
+    is one, boxed as a TorchScript object there), or None."""
+    from torch.distributed import ProcessGroup
+
+    for item in args:
+        if isinstance(item, torch.ScriptObject) and \
+                item._type().qualified_name().endswith(".ProcessGroup"):
+            return ProcessGroup.unbox(item)
+    return None

@@ -57,6 +57,8 @@ class DHelixOptions:
     pairer: str = "dp"  # --dhelix-pairer: dp | sequential | round_robin | domino
     block_barriers: bool = True  # --dhelix-no-block-barriers: False
     layer_seams: bool = True  # --dhelix-no-layer-seams: False
+    # --dhelix-streamed: SI blocks run as one static operator sequence (planner.streamed)
+    streamed: bool = False
     # --dhelix-no-memory-bound: False (the DP's plan is not bounded, planner.memory)
     memory_bound: bool = True
     # --dhelix-memory-margin MIB: the DP's blocks stay within the sequential plan's peak plus
@@ -73,7 +75,8 @@ class DHelixOptions:
         return cls(enabled=bool(args.dhelix), plan=args.dhelix_plan,
                    profile=args.dhelix_profile, pairer=args.dhelix_pairer,
                    block_barriers=bool(args.dhelix_block_barriers),
-                   layer_seams=bool(args.dhelix_layer_seams), attention=args.dhelix_attention,
+                   layer_seams=bool(args.dhelix_layer_seams),
+                   streamed=bool(getattr(args, "dhelix_streamed", False)), attention=args.dhelix_attention,
                    memory_bound=bool(args.dhelix_memory_bound),
                    memory_margin_mib=(None if args.dhelix_memory_margin is None
                                       else float(args.dhelix_memory_margin)),
@@ -184,7 +187,8 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
     """(refused, message) for every rule tying the `--dhelix*` options to the run."""
     pp = parallel.pipeline_model_parallel_size
     for option, value in (("--dhelix-plan", options.plan), ("--dhelix-profile", options.profile),
-                          ("--dhelix-commfree-timing-only", options.commfree_timing_only)):
+                          ("--dhelix-commfree-timing-only", options.commfree_timing_only),
+                          ("--dhelix-streamed", options.streamed)):
         yield (bool(value) and not options.enabled, f"{option} needs --dhelix")
     if not options.enabled:
         return
@@ -203,6 +207,9 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
            f"dimension: --micro-batch-size must be even (got {parallel.micro_batch_size})")
     yield (options.domino and bool(options.plan or options.profile),
            "--dhelix-pairer domino does no planning: drop --dhelix-plan and --dhelix-profile")
+    yield (options.streamed and options.pairer != "dp",
+           f"--dhelix-streamed plans its own operator sequence from the profile: use it with "
+           f"--dhelix-pairer dp (got {options.pairer})")
 
 
 def check_run(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout) -> None:

@@ -99,7 +99,9 @@ def _plan_costs(run) -> dict:
     row's orders (program orders) as the strand executor runs each alone, its collectives in
     flight while the strand computes what does not read them
     (`planner.cosched.strand_alone_ms`); `sequential_ms` is the plain sum of the solo
-    times. With a seam between layer pairs (`planner.blocks.layer_seam`): how much each seam
+    times. With streamed SI blocks (`--dhelix-streamed`), `planned_ms` is the streamed
+    schedule's simulated time a layer pair (`planner.streamed`) and there are no seams. With a
+    seam between layer pairs (`planner.blocks.layer_seam`): how much each seam
     saves by the block model (the head's and tail's blocks against the seam block) and how
     many a step has ((m - 1) x (layers - 1) without pipelining)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -116,7 +118,12 @@ def _plan_costs(run) -> dict:
         layers = len(setup.runner.bound_layers)
         pairs = (microbatches - 1) * layers
         seams = (microbatches - 1) * (layers - 1) if seam is not None else 0
-    out = {"sequential_ms": plan.sequential_ms, "planned_ms": plan.planned_ms,
+    planned = plan.planned_ms
+    streamed = setup.runner.streamed
+    if streamed is not None:  # the streamed schedule's time a pair, no seams
+        planned = streamed.for_pairs(len(setup.runner.bound_layers)).pair_ms
+        seams = 0 if seams is not None else None
+    out = {"sequential_ms": plan.sequential_ms, "planned_ms": planned,
            "paired_layers_per_step": pairs, "seams_per_step": seams}
     if setup.costs is None:
         return out

@@ -149,6 +149,21 @@ def plan_with_a_seam(runner) -> None:
     assert runner.seam is not None and (runner.seam.head, runner.seam.tail) == (1, 2)
 
 
+def _count_streamed_si_blocks(runner) -> list:
+    """A list that grows by one for every SI block the runner runs streamed
+    (`LayerRunner._run_streamed`, observed by wrapping it on this runner only)."""
+    calls = []
+    if runner.streamed is not None:
+        original = runner._run_streamed
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        runner._run_streamed = counted
+    return calls
+
+
 def _reference(run, steps: int) -> dict:
     """Stock Megatron's observed steps (`observed_step`) and next evaluation loss."""
     return {"steps": [observed_step(run, with_grads=True) for _ in range(steps)],
@@ -166,6 +181,7 @@ def _dhelix_case(case: ParityCase, ref: dict, steps: int) -> dict:
         setup = run.dhelix
         if case.seam:
             plan_with_a_seam(setup.runner)
+        streamed_calls = _count_streamed_si_blocks(setup.runner)
         got = [observed_step(run, with_grads=True) for _ in range(steps)]
         trained = engine_record(run)
         eval_diff = abs(ref["eval"] - eval_loss(run))
@@ -178,6 +194,7 @@ def _dhelix_case(case: ParityCase, ref: dict, steps: int) -> dict:
                 "plan_source": setup.plan_source,
                 "num_microbatches": num_microbatches,
                 "seam": setup.runner.seam is not None,
+                "streamed_si_blocks": len(streamed_calls),
                 "describe": setup.describe()}
     finally:
         run.close()

@@ -46,6 +46,8 @@ CASES_TP2 = {
     "tp2_sp_llama_dp_seam": ParityCase(TP2 + SP + LLAMA, dhelix("dp"), seam=True),
     "tp2_sp_dp": ParityCase(TP2 + SP, dhelix("dp")),
     "tp2_sp_llama_dp": ParityCase(TP2 + SP + LLAMA, dhelix("dp")),
+    "tp2_dp_streamed": ParityCase(TP2, dhelix("dp", "--dhelix-streamed")),
+    "tp2_sp_llama_dp_streamed": ParityCase(TP2 + SP + LLAMA, dhelix("dp", "--dhelix-streamed")),
     # the tiny model: micro-batch 2 -> halves of 1
     "tp2_domino": ParityCase(TP2, dhelix("domino")),
     "tp2_sp_domino": ParityCase(TP2 + SP, dhelix("domino")),
@@ -54,6 +56,7 @@ CASES_TP4 = {
     "tp4_sp_dp": ParityCase(TP4 + SP, dhelix("dp")),
     "tp4_round_robin": ParityCase(TP4, dhelix("round_robin")),
     "tp4_sp_dp_seam": ParityCase(TP4 + SP, dhelix("dp"), seam=True),
+    "tp4_sp_dp_streamed": ParityCase(TP4 + SP, dhelix("dp", "--dhelix-streamed")),
 }
 
 
@@ -151,6 +154,21 @@ def test_pp1_pairings_run_on_the_one_engine(tp2, name, kind, passes):
     m = tp2[name]["num_microbatches"]
     expected_si = m - 1 if kind == "si" else 0
     assert all(rank["si_blocks"] == expected_si for rank in executed["train"])
+
+
+@pytest.mark.slow  # reads the module's parity launches (the tp2 and tp4 fixtures)
+def test_streamed_si_blocks_ran_streamed(tp2, tp4):
+    """The `--dhelix-streamed` parity rows ran every SI block of every training step as one
+    streamed sequence (`LayerRunner._run_streamed`), and only they did; the plan line says
+    so."""
+    trained = {name: entry for name, entry in {**tp2, **tp4}.items() if "rows" in entry}
+    streamed = {name for name, entry in trained.items() if entry["streamed_si_blocks"]}
+    assert streamed == {"tp2_dp_streamed", "tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"}
+    for name in streamed:
+        entry = trained[name]
+        steps = len(entry["rows"])
+        assert entry["streamed_si_blocks"] == steps * (entry["num_microbatches"] - 1), name
+        assert "streamed SI blocks" in entry["describe"] and not entry["seam"], name
 
 
 @pytest.mark.slow

@@ -50,9 +50,10 @@ LAYERS = (
         "dhelix.checkpoint_integrity", "dhelix.memtrace",
         "dhelix.parity", "dhelix.megatron_lm_checks"),)),
     Layer("execution: operator programs, schedules as data and their executor, lanes, the "
-          "strand executor, the timeline (nothing of planning or profiling)", ((
+          "strand and streamed executors, the timeline (nothing of planning or profiling)", ((
               "dhelix.ops", "dhelix.schedules", "dhelix.runtime.lanes",
-              "dhelix.runtime.strand_executor", "dhelix.runtime.timeline",
+              "dhelix.runtime.strand_executor", "dhelix.runtime.streamed_executor",
+              "dhelix.runtime.timeline",
               "dhelix.runtime.layer_runner", "dhelix.runtime.forward_step_capture",
               "dhelix.runtime.operator_passes", "dhelix.runtime.intra_batch_passes",
               "dhelix.gpu_emulation"),)),

@@ -143,15 +143,23 @@ def test_supported_moe_is_not_refused(monkeypatch, parallel):
     assert code is None, err
 
 
-def test_commfree_bound_needs_dhelix(monkeypatch):
-    """The benchmark's communication-free bound (wrong numerics) is never a stock run."""
+@pytest.mark.parametrize("extra,line", [
+    (["--dhelix-commfree-timing-only"], "error: --dhelix-commfree-timing-only needs --dhelix"),
+    (["--dhelix-streamed"], "error: --dhelix-streamed needs --dhelix"),
+    (["--dhelix", "--dhelix-streamed", "--dhelix-pairer", "round_robin"],
+     "error: --dhelix-streamed plans its own operator sequence from the profile: use it with "
+     "--dhelix-pairer dp (got round_robin)"),
+])
+def test_runtime_flags_that_need_a_dhelix_dp_run(extra, line, monkeypatch):
+    """The benchmark's communication-free bound (wrong numerics) is never a stock run, and
+    streamed SI blocks are never silently ignored: without --dhelix, or with a pairer
+    whose plan they would not use."""
     monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix-commfree-timing-only"],
-                       validate=True)
+    code, err = _parse(TINY + ["--train-iters", "1", *extra], validate=True)
     lines = err.strip().splitlines()
-    assert code == 2 and lines == ["error: --dhelix-commfree-timing-only needs --dhelix"], err
+    assert code == 2 and lines == [line], err
 
 
 def test_validated_run_is_typed(monkeypatch):

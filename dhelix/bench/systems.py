@@ -24,6 +24,11 @@ list for the Domino-style pairing), so the baselines are options of one code pat
   what dropping the barriers gains or costs.
 - dhelix_no_seams: the same plan with `--dhelix-no-layer-seams` (the layer pairs of an SI
   block strictly one after the other): what overlapping them at their seams gains.
+- dhelix_streamed: `--dhelix --dhelix-pairer dp --dhelix-streamed`; each SI block as one
+  static operator sequence of both strands, no block barriers, both strands' collectives on
+  one lane in the order the streamed planner found fastest (`planner.streamed`) within the
+  memory bound.
+- dhelix_streamed_no_memory_bound: the same with `--dhelix-no-memory-bound`.
 - dhelix_no_memory_bound: the dp plan with `--dhelix-no-memory-bound`: the speed the
   default memory bound gives up, and the memory it saves.
 - megatron_moe_overlap: Megatron with `--overlap-moe-expert-parallel-comm
@@ -123,6 +128,11 @@ SYSTEMS = (
     System("dhelix_no_seams", "DHelix, layer pairs without seams",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-layer-seams"),
            uses_profile=True),
+    System("dhelix_streamed", "DHelix, streamed SI blocks",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-streamed"), uses_profile=True),
+    System("dhelix_streamed_no_memory_bound", "DHelix, streamed, no memory bound",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-streamed",
+            "--dhelix-no-memory-bound"), uses_profile=True),
     System("dhelix_no_memory_bound", "DHelix, no memory bound",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-memory-bound"),
            uses_profile=True),

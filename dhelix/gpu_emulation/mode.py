@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dhelix.c10d_ops import unboxed_work, work_handles
+from dhelix.c10d_ops import process_group_of, unboxed_work, work_handles
 from dhelix.gpu_emulation.aten_costs import (
     classify, is_communication, is_fill_factory, is_host_sync, is_inplace, kernel_ms,
     moved_bytes, op_name)
@@ -230,9 +230,11 @@ class GpuEmulationMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if is_communication(func):
             self._collectives += 1
+            group = process_group_of(args) if deferrable(func) else None
             if (self.config.stream_ordered_collectives and deferrable(func)
                     and not _get_current_dispatch_mode_stack()
-                    and (self._issuer.pending or self._stream_end > time.perf_counter())):
+                    and (self._issuer.pending or self._stream_end > time.perf_counter()
+                         or self._issuer.busy(group))):
                 self._deferred += 1
                 result = self._issuer.submit(self._stream_end, func, args, kwargs)
                 self._in_flight += [unboxed_work(w) for w in work_handles(result)]
@@ -240,7 +242,10 @@ class GpuEmulationMode(TorchDispatchMode):
             self.synchronize()
             result = func(*args, **kwargs)
             if op_name(func) not in POINT_TO_POINT:
-                self._in_flight += [unboxed_work(w) for w in work_handles(result)]
+                handles = [unboxed_work(w) for w in work_handles(result)]
+                self._in_flight += handles
+                if group is not None and handles:
+                    self._issuer.note_issued(group, handles[-1])
             return result
         if is_fill_factory(func):
             return self._fill_factory(func, args, kwargs)

@@ -14,6 +14,11 @@ Guarantees:
 - Order: collectives are issued in the order the host issued them (one FIFO thread; their
   start times are non-decreasing, since the stream clock is), so every process group sees
   the same order on every rank as without the issuer.
+- One process group, one collective at a time: a collective is issued only after the
+  previous one on its process group (issued here or noted by `note_issued`) has completed,
+  as NCCL runs one communicator's kernels one after another on its stream. Two strands
+  sharing a group (`dhelix.runtime.streamed_executor`) thus take the link in turn instead of
+  sharing it; groups of their own still overlap each other.
 - Only the collectives whose result is their in-place tensor argument and a Work
   (`deferrable`): the caller's tensors are what the operator returns, so the host can be
   given them before the collective ran. Others (point-to-point, functional collectives)
@@ -35,7 +40,7 @@ import time
 
 from torch._C._distributed_c10d import Work
 
-from dhelix.c10d_ops import unboxed_work
+from dhelix.c10d_ops import process_group_of, unboxed_work
 from dhelix.gpu_emulation.aten_costs import namespace, op_name
 
 # c10d operators whose results are (their first argument, Work) or a Work alone
@@ -99,10 +104,27 @@ class StreamOrderedIssuer:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._failed: list = []  # handles whose collective raised
+        # process group -> an Event set when its last collective completes (not the Work:
+        # a Work holds its tensors until dropped)
+        self._last: dict = {}
 
     @property
     def pending(self) -> bool:
         return self._queue.unfinished_tasks > 0
+
+    def busy(self, group) -> bool:
+        """True while the last collective issued on `group` has not completed."""
+        done = self._last.get(group)
+        return done is not None and not done.is_set()
+
+    def note_issued(self, group, work) -> None:
+        """Record `work` (a real Work) as `group`'s last collective; keeps only an Event
+        its future sets on completion (or failure)."""
+        if group is None:
+            return
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        self._last[group] = done
 
     def submit(self, start_at: float, func, args: tuple, kwargs: dict):
         """Queue `func(*args, **kwargs)` to be issued at `time.perf_counter()` >= `start_at`;
@@ -126,18 +148,23 @@ class StreamOrderedIssuer:
                 start_at, func, args, kwargs, work = item
                 while (left := start_at - time.perf_counter()) > 0:
                     time.sleep(left)
+                group = process_group_of(args)
+                previous = self._last.get(group)
                 try:
+                    if previous is not None:
+                        previous.wait()  # the group's stream runs one collective at a time
                     result = func(*args, **kwargs)
                 except BaseException as error:  # raised by the handle's wait()
                     self._failed.append(work)
                     work._set(None, error)
                     continue
-                real = result if len(func._schema.returns) == 1 else result[-1]
-                work._set(unboxed_work(real))
+                real = unboxed_work(result if len(func._schema.returns) == 1 else result[-1])
+                self.note_issued(group, real)
+                work._set(real)
             finally:
                 # drop this thread's references to the caller's tensors and the handle now,
                 # not when the next collective arrives
-                item = args = kwargs = result = work = real = None
+                item = args = kwargs = result = work = real = previous = None
                 self._queue.task_done()
 
     def flush(self) -> None:

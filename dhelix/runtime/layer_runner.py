@@ -25,6 +25,7 @@ import torch
 
 from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_alone, run_block, run_blocks
+from dhelix.runtime.streamed_executor import StrandChain, run_streamed
 
 
 def take_handed(holder: list) -> torch.Tensor:
@@ -68,9 +69,15 @@ class LayerRunner:
     # `LayerPrograms` objects (shared by equal layers); None: one plan (the fields above)
     # serves every pair. Layer pairs then never meet at a seam.
     pair_plans: dict | None = None
+    # `--dhelix-streamed`: a `planner.streamed.StreamedPlanner` whose schedule for the SI
+    # block's size runs every SI block (`dhelix.runtime.streamed_executor`) in place of the
+    # blocks and seams above; None: the blocks
+    streamed: object = None
 
     def __post_init__(self):
         self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
+        if self.streamed is not None and (self.seam is not None or self.pair_plans is not None):
+            raise ValueError("a streamed SI block has no seams and serves one layer kind")
         if self.pair_plans is not None:
             if self.seam is not None:
                 raise ValueError("layer pairs of a mixed stack do not meet at seams")
@@ -136,11 +143,17 @@ class LayerRunner:
         run as one block, ended by a barrier, with this pair's tail blocks (backward only);
         each strand still runs its operators in plan order.
 
+        With `streamed`, the whole SI block runs as the streamed schedule's one operator
+        sequence instead (`_run_streamed`).
+
         Returns (forward output, forward executions in forward order, input gradient of the
         last backward execution)."""
         if len(fwd_layers) != len(bwd_executions):
             raise ValueError(f"an SI block pairs layers one to one: {len(fwd_layers)} "
                              f"forward layers, {len(bwd_executions)} backward layers")
+        if self.streamed is not None:
+            return self._run_streamed(fwd_layers, inputs, rotary_pos_emb, bwd_executions,
+                                      grads)
         seam, count = self.seam, len(fwd_layers)
         x, grad = take_handed(inputs), take_handed(grads)
         executions, unfinished = [], None  # the previous pair's backward, its tail not run
@@ -166,3 +179,27 @@ class LayerRunner:
                 grad = bwd.end_backward()
             executions.append(fwd)
         return x, executions, grad
+
+    def _run_streamed(self, fwd_layers: Sequence[int], inputs: list, rotary_pos_emb,
+                      bwd_executions: Sequence, grads: list):
+        """`run_paired` as one streamed sequence (`dhelix.runtime.streamed_executor`): each
+        strand's layers chained, a layer's output (input gradient) handed to the next
+        layer's execution when the sequence reaches it; same ownership and result."""
+        schedule = self.streamed.for_pairs(len(fwd_layers))
+        outputs, grad_outputs, executions = [take_handed(inputs)], [take_handed(grads)], []
+
+        def open_fwd(pair):
+            execution = self.new_execution(fwd_layers[pair])
+            execution.begin_forward(take_handed(outputs), None, rotary_pos_emb)
+            executions.append(execution)
+            return execution
+
+        def open_bwd(pair):
+            execution = bwd_executions[pair]
+            execution.begin_backward(take_handed(grad_outputs))
+            return execution
+
+        chains = {"fwd": StrandChain(open_fwd, lambda e: outputs.append(e.end_forward())),
+                  "bwd": StrandChain(open_bwd, lambda e: grad_outputs.append(e.end_backward()))}
+        run_streamed(schedule.sequence, chains, self.timeline)
+        return take_handed(outputs), executions, take_handed(grad_outputs)

@@ -61,6 +61,7 @@ from planner.blocks import Seam, check_pairing, layer_seam
 from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
 from planner.memory import MIB, layer_activation_bytes, make_bound, seam_peak
+from planner.streamed import StreamedPlanner
 from planner.plan import PlanMismatch, load_checked_plan
 from dhelix.file_formats import REGENERATE
 from profiler.fingerprint import (
@@ -111,14 +112,23 @@ class DHelixSetup:
 
     @property
     def predicted_speedup(self):
-        """The plan's predicted layer speedup, None without a plan."""
-        return self.plan.speedup if self.plan is not None else None
+        """The plan's predicted layer speedup, None without a plan; with streamed SI
+        blocks, the sequential plan's time over the streamed schedule's time a pair."""
+        if self.plan is None:
+            return None
+        streamed = self.runner.streamed
+        if streamed is not None:
+            return self.plan.sequential_ms / streamed.for_pairs(
+                len(self.runner.bound_layers)).pair_ms
+        return self.plan.speedup
 
     def describe(self) -> str:
         """One line for logs: plan source, block count, the seam between layer pairs,
         predicted speedup, timing-only mark."""
         blocks = len(self.plan.blocks) if self.plan is not None else len(self.runner.blocks)
         line = f"plan {self.plan_source}: {blocks} blocks"
+        if self.runner.streamed is not None:  # the blocks' orders and barriers are unused
+            line = f"plan {self.plan_source}: SI blocks run streamed, not in blocks"
         seam = self.runner.seam
         if seam is not None:
             line += (f", layer pairs overlap at a seam (the first {seam.head} and last "
@@ -193,6 +203,9 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
     layer L-1-l; on a folded stage (the W schedule) the i-th layer of one chunk meets the
     i-th layer of the other chunk in backward order, the same local pairs."""
     options = run.options
+    if options.streamed:
+        raise DHelixSetupError("--dhelix-streamed serves a stack of identical layers; drop it "
+                               "for a stack of dense and MoE layers")
     if options.plan:
         raise DHelixSetupError("--dhelix-plan serves a stack of identical layers; a stack of "
                                "dense and MoE layers plans each layer pair at start-up: drop "
@@ -334,6 +347,30 @@ def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
     return plan, source, costs
 
 
+def _streamed_planner(run: DHelixRun, fwd, bwd, costs, memory=None) -> StreamedPlanner:
+    """`--dhelix-streamed`: the planner of the run's streamed SI blocks
+    (`planner.streamed`), from the cost model the plan was built with, else (a plan file)
+    from `--dhelix-profile` or the analytic default costs, bounded by `memory` (the dp
+    plan's `planner.memory.MemoryBound`, None without one). Deterministic given the costs
+    and the bound, so every rank of a stage derives the same sequence."""
+    if costs is None:
+        profile = load_profile(run.options.profile) if run.options.profile else None
+        costs = build_cost_model(fwd, bwd, profile,
+                                 profile_path=run.options.profile or "profile")
+    return StreamedPlanner(fwd, bwd, costs, memory=memory)
+
+
+def _streamed_summary(schedule) -> str:
+    """One phrase for the plan line: the streamed schedule's size, time and memory."""
+    text = (f"streamed SI blocks ({schedule.pairs} layer pairs: {schedule.pair_ms:.2f} ms a "
+            f"pair, lane order {'/'.join(schedule.lane_pattern)}")
+    if schedule.budget_bytes is not None:
+        verdict = "within" if schedule.within_budget else "ABOVE"
+        text += (f", peak {schedule.peak_bytes / MIB:.2f} MiB {verdict} the memory bound "
+                 f"{schedule.budget_bytes / MIB:.2f} MiB")
+    return text + ")"
+
+
 def plan_seam(options: DHelixOptions, plan, dags, memory=None) -> Seam | None:
     """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
     or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
@@ -396,10 +433,21 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     memory = None if options.plan else _memory_bound(run, parts, bound, dags["fwd"],
                                                       dags["bwd"])
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
+    streamed = None
+    if options.streamed:
+        streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
+        schedule = streamed.for_pairs(len(bound))
+        source += "; " + _streamed_summary(schedule)
+        if schedule.within_budget is False:
+            log.warning("--dhelix-streamed: no streamed sequence fits the memory bound; running "
+                        "the one with the least peak (%s): raise --dhelix-memory-margin, or "
+                        "drop --dhelix-streamed for the bounded block plan",
+                        _streamed_summary(schedule))
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
                          block_barriers=options.block_barriers,
-                         seam=plan_seam(options, plan, dags, memory))
+                         seam=None if streamed else plan_seam(options, plan, dags, memory),
+                         streamed=streamed)
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
                             OperatorPasses(parts, runner, loss_at_forward=pipelined))
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,

@@ -1,0 +1,91 @@
+"""The streamed executor: runs an SI block's layer pairs as one static operator sequence
+(`planner.streamed.StreamedSchedule.sequence`), both strands layer after layer, with no block
+barriers.
+
+Each entry names a strand ('fwd' or 'bwd'), a layer pair and an operator. The executor runs
+the entries in exactly that order on the calling thread (CPU) / current stream (GPU): a
+computation first waits for the collectives it reads (`LayerExecution.wait_inputs`: the
+thread blocks on CPU, the stream waits on GPU), a collective is issued and returns a handle.
+Both strands' collectives go to one lane per channel (strand slot 0 of
+`dhelix.runtime.lanes`): the sequence is the same on every rank, so the lane's process group
+sees the same collectives in the same order everywhere, and one group (one NCCL
+communicator: one stream) runs them one after another, in sequence order - the FIFO lane the
+planner's simulation assumes.
+
+A strand moves to its next layer when the sequence reaches that layer's first operator: the
+finished layer's execution is ended (`StrandChain.close`, which hands its output on) and the
+next one begun with it (`StrandChain.open`); the chains end the last layers after the
+sequence. Guarantees: every layer's operators run in the strand order the sequence gives
+(checked by the executions: an operator before its dependencies, one run twice or one never
+run is an error); tensors belong to their `LayerExecution`s, which free each value after its
+last reader; nothing is left in flight when `run_streamed` returns.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+SHARED_LANE_SLOT = 0
+
+
+@dataclass
+class StrandChain:
+    """One strand of a streamed SI block: `open(pair)` begins (and returns) the execution of
+    layer pair `pair`, `close(execution)` ends it and keeps its output for the next `open`.
+    Pairs are opened in order 0, 1, ... ."""
+
+    open: Callable
+    close: Callable
+    execution: object = None
+    pair: int = -1
+    _closed: bool = field(default=False, repr=False)
+
+    def at(self, pair: int):
+        """The execution of `pair`, ending the current one and beginning the next first
+        when the sequence has moved on."""
+        if pair != self.pair:
+            if pair != self.pair + 1:
+                raise RuntimeError(f"streamed sequence jumps from layer pair {self.pair} to "
+                                   f"{pair}")
+            if self.execution is not None:
+                self.close(self.execution)
+            self.execution = self.open(pair)
+            self.execution.strand_slot = SHARED_LANE_SLOT
+            self.pair = pair
+        return self.execution
+
+    def finish(self) -> None:
+        """End the last layer's execution."""
+        if self.execution is not None and not self._closed:
+            self.close(self.execution)
+            self._closed = True
+
+
+def run_streamed(sequence: Sequence, chains: dict, timeline=None) -> None:
+    """Run `sequence` (`planner.streamed.StreamedStep`s) on `chains` ('fwd' and 'bwd' ->
+    `StrandChain`), then end both chains' last layers. `timeline` (a
+    `dhelix.runtime.timeline.Timeline`) records what the compute thread did; None records
+    nothing."""
+    with torch.no_grad():  # what every operator runs under (LayerExecution.run), set once
+        for step in sequence:
+            execution = chains[step.strand].at(step.pair)
+            program = execution.programs.program(execution.phase)
+            if program[step.op].kind == "comm":
+                with _span(timeline, "issue", step.op):
+                    execution.run(step.op)
+                continue
+            if timeline is not None and not execution.op_ready(step.op):
+                with timeline.span("wait", step.op):
+                    execution.wait_inputs(step.op)
+            with _span(timeline, "compute", step.op):
+                execution.run(step.op)
+    for chain in chains.values():
+        chain.finish()
+
+
+def _span(timeline, kind: str, name: str):
+    return nullcontext() if timeline is None else timeline.span(kind, name)

@@ -1,0 +1,299 @@
+"""Streamed SI blocks: both strands of an SI block run as two continuous operator streams,
+layer after layer, with no block barriers, their collectives on one FIFO lane per channel in
+an order fixed in advance.
+
+The block model (`planner.cosched`, `planner.dp`) ends every block with a barrier and allows
+one collective of a channel per block; measured on the emulated GPU cluster that keeps the
+link ~65% busy inside a layer pair (docs/benchmark.md). A streamed SI block instead issues
+one static sequence of operators - the forward strand's layers in order and the backward
+strand's in order, interleaved - on one compute lane; each collective goes to its channel's
+lane when the sequence reaches it and starts when the lane's previous collective has ended
+(one NCCL communicator per channel: one stream, kernels in issue order); a computation that
+reads a collective waits for it (a stream wait on a GPU). Because the sequence is static, every
+rank issues the same collectives in the same order, so both strands may share one process
+group per channel.
+
+`plan_streamed` searches strand orders (`planner.orders.candidate_orders`) and, per layer
+pair, the order of the pair's collectives on the lane (every interleaving of the forward's
+and the backward's collectives that keeps each strand's own order), list-scheduling the
+compute lane for each (the ready strand that owns the lane's next collective first) and
+simulating `layers` layer pairs as the executor runs them
+(`dhelix.runtime.streamed_executor`): a layer's operators start after the same strand's
+previous layer has ended (its collectives waited), compute is slowed by the largest
+`collective_sigma` of the collectives in flight, collectives take their solo time. It keeps
+the fastest, and returns its operator sequence. Pure: no torch, no process group.
+
+Memory (`planner.memory.MemoryBound`, optional): the sequence is static, so the live bytes
+above the SI block's start (a layer pair's start) are known at every entry: the sum of the
+deltas of every operator run so far, both strands, all layers, plus the running operator's
+transient, less what whole layer pairs left behind (the measured deltas of a forward
+layer and a backward layer need not cancel, while every layer pair's start holds the same
+L layers' activations: the block model measures every pair from its own start, and so does
+this, from the start of the latest layer pair both strands have finished). With a bound, the list scheduler runs a strand's computation only where that
+stays within the budget (else the other strand's, which frees: a backward; or, where
+neither fits, the backward), and a candidate whose sequence still exceeds the budget is
+kept only when none fits (the one with the least peak; `within_budget` says so).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from dhelix.dag import OpDAG
+from planner.cosched import collective_sigma
+from planner.costs import CostModel
+from planner.memory import MemoryBound
+from planner.orders import candidate_orders
+
+FWD, BWD = "fwd", "bwd"
+
+
+@dataclass(frozen=True)
+class StreamedStep:
+    """One entry of a streamed SI block's sequence: operator `op` of layer pair `pair`
+    (0-based, in the SI block's order) of strand `strand` ('fwd' or 'bwd')."""
+
+    strand: str
+    pair: int
+    op: str
+
+
+@dataclass(frozen=True)
+class StreamedSchedule:
+    """The fastest streamed interleaving found for `pairs` layer pairs: the strand orders
+    (one per layer, the same for every layer), the lane order of one pair's collectives
+    (strand names, e.g. ('bwd', 'fwd', 'bwd', 'fwd')), the static operator sequence of the
+    whole SI block and its simulated time; `searched` counts the candidates simulated. With
+    a memory bound: the sequence's peak above the SI block's start (`peak_bytes`), the
+    budget, and whether the peak is within it (None: no bound)."""
+
+    fwd_order: tuple
+    bwd_order: tuple
+    lane_pattern: tuple
+    sequence: tuple
+    pairs: int
+    total_ms: float
+    searched: int
+    peak_bytes: float | None = None
+    budget_bytes: float | None = None
+
+    @property
+    def within_budget(self) -> bool | None:
+        if self.budget_bytes is None:
+            return None
+        return self.peak_bytes <= self.budget_bytes
+
+    @property
+    def pair_ms(self) -> float:
+        """Simulated time per layer pair."""
+        return self.total_ms / self.pairs
+
+
+class _Model:
+    """What the simulation reads of both directions: op nodes, solo times, collective
+    slowdowns."""
+
+    def __init__(self, fwd: OpDAG, bwd: OpDAG, costs: CostModel):
+        self.ops = {FWD: fwd.by_id(), BWD: bwd.by_id()}
+        self.solo = {FWD: costs.solo_f, BWD: costs.solo_b}
+        compute = {d: [o for o, n in self.ops[d].items() if n.kind != "comm"]
+                   for d in (FWD, BWD)}
+        self.sigma = {(d, o): collective_sigma(costs, o, d, compute[_other(d)])
+                      for d in (FWD, BWD) for o, n in self.ops[d].items() if n.kind == "comm"}
+
+    def comm(self, direction: str, op: str) -> bool:
+        return self.ops[direction][op].kind == "comm"
+
+
+def _other(direction: str) -> str:
+    return BWD if direction == FWD else FWD
+
+
+def lane_patterns(fwd_collectives: int, bwd_collectives: int) -> list[tuple]:
+    """Every order of one layer pair's collectives on the lane that keeps each strand's own
+    order: the distinct arrangements of that many 'fwd' and 'bwd' entries."""
+    slots = fwd_collectives + bwd_collectives
+    patterns = []
+    for chosen in itertools.combinations(range(slots), fwd_collectives):
+        picked = set(chosen)
+        patterns.append(tuple(FWD if i in picked else BWD for i in range(slots)))
+    return patterns
+
+
+def simulate_streamed(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
+                      pattern: Sequence[str], pairs: int, memory: MemoryBound | None = None
+                      ) -> tuple[float, tuple, float]:
+    """(simulated ms, operator sequence, peak bytes above the start) of `pairs` layer
+    pairs streamed as the module docstring says; the lane order of every pair's collectives
+    follows `pattern`; `memory` steers the compute lane within its budget (peak 0.0
+    without it)."""
+    orders = {FWD: tuple(fwd_order), BWD: tuple(bwd_order)}
+    position = {FWD: 0, BWD: 0}  # index into the strand's whole stream (pairs x order)
+    length = {d: pairs * len(orders[d]) for d in orders}
+    lane_queue = [(direction, pair) for pair in range(pairs) for direction in pattern]
+    next_lane = 0  # the next collective of lane_queue to issue
+    done_at: dict = {}  # (direction, pair, op) -> end time
+    lanes: dict = {}  # channel -> [end time of the last collective queued on it]
+    running: list = []  # collectives in flight: (start, end, sigma)
+    sequence = []
+    t = 0.0
+    live, peak = 0.0, 0.0
+    op_memory = {FWD: memory.fwd, BWD: memory.bwd} if memory is not None else None
+    if op_memory is not None:  # what one layer pair leaves behind (module docstring)
+        pair_drift = sum(float(op_memory[d].delta[o]) for d in (FWD, BWD) for o in orders[d])
+
+    def during(direction, op):
+        """Live bytes while `op` runs next, from `live`, above the start of the latest
+        layer pair both strands have finished."""
+        mem = op_memory[direction]
+        finished = min(position[FWD] // len(orders[FWD]), position[BWD] // len(orders[BWD]))
+        return (live - finished * pair_drift
+                + max(float(mem.transient[op]), 0.0, float(mem.delta[op])))
+
+    def item(direction):
+        index = position[direction]
+        order = orders[direction]
+        return index // len(order), order[index % len(order)]
+
+    def layer_started(direction, pair):
+        """The strand's previous layer has ended (every op and collective done) by t."""
+        if pair == 0:
+            return 0.0
+        ends = [done_at[(direction, pair - 1, o)] for o in orders[direction]]
+        return max(ends)
+
+    def ready_at(direction):
+        pair, op = item(direction)
+        node = model.ops[direction][op]
+        times = [layer_started(direction, pair)]
+        times += [done_at[(direction, pair, d)] for d in node.deps]
+        return max(times)
+
+    while position[FWD] < length[FWD] or position[BWD] < length[BWD]:
+        # issue every collective at a strand's head that is the lane's next
+        issued = True
+        while issued:
+            issued = False
+            for direction in (FWD, BWD):
+                if position[direction] >= length[direction]:
+                    continue
+                pair, op = item(direction)
+                if not model.comm(direction, op) or next_lane >= len(lane_queue) \
+                        or lane_queue[next_lane] != (direction, pair):
+                    continue
+                node = model.ops[direction][op]
+                start = max(t, ready_at(direction), lanes.get(node.channel, 0.0))
+                end = start + model.solo[direction][op]
+                lanes[node.channel] = end
+                done_at[(direction, pair, op)] = end
+                running.append((start, end, model.sigma[(direction, op)]))
+                sequence.append((direction, pair, op))
+                if op_memory is not None:
+                    peak = max(peak, during(direction, op))
+                    live += float(op_memory[direction].delta[op])
+                position[direction] += 1
+                next_lane += 1
+                issued = True
+        # the compute lane's next operator: a strand whose head is computation
+        heads = [d for d in (FWD, BWD) if position[d] < length[d]
+                 and not model.comm(d, item(d)[1])]
+        if not heads:
+            if position[FWD] < length[FWD] or position[BWD] < length[BWD]:
+                raise ValueError(f"lane pattern {tuple(pattern)} does not fit the strand "
+                                 "orders (a collective can never be issued)")
+            break
+        if op_memory is not None and len(heads) > 1:
+            fits = [d for d in heads if during(d, item(d)[1]) <= memory.budget_bytes]
+            heads = fits or ([BWD] if BWD in heads else heads)
+        owner = lane_queue[next_lane][0] if next_lane < len(lane_queue) else None
+        heads.sort(key=lambda d: (ready_at(d), d != owner))
+        direction = heads[0]
+        if owner in heads and ready_at(owner) <= max(t, ready_at(direction)):
+            direction = owner
+        pair, op = item(direction)
+        start = max(t, ready_at(direction))
+        t = _compute_end(start, model.solo[direction][op], running)
+        done_at[(direction, pair, op)] = t
+        sequence.append((direction, pair, op))
+        if op_memory is not None:
+            peak = max(peak, during(direction, op))
+            live += float(op_memory[direction].delta[op])
+        position[direction] += 1
+    end = max([t] + [e for _, e, _ in running])
+    return end, tuple(StreamedStep(d, p, o) for d, p, o in sequence), peak
+
+
+def _compute_end(start: float, work: float, running: list) -> float:
+    """When `work` ms of computation started at `start` ends, progressing at 1 / sigma of
+    the collectives in flight (the largest sigma) and at full speed otherwise."""
+    t = start
+    while work > 1e-12:
+        active = [(s, e, sig) for s, e, sig in running if s <= t < e]
+        if active:
+            sigma = max(sig for _, _, sig in active)
+            horizon = min(e for _, e, _ in active)
+        else:
+            sigma = 1.0
+            upcoming = [s for s, _, _ in running if s > t]
+            horizon = min(upcoming) if upcoming else float("inf")
+        span = horizon - t
+        if span * 1.0 / sigma >= work:
+            return t + work * sigma
+        work -= span / sigma
+        t = horizon
+    return t
+
+
+def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
+                  max_orders: int = 64, wgrad_move: int = 4,
+                  fwd_orders: Sequence[Sequence[str]] | None = None,
+                  bwd_orders: Sequence[Sequence[str]] | None = None,
+                  memory: MemoryBound | None = None) -> StreamedSchedule:
+    """The fastest streamed interleaving of `pairs` layer pairs (module docstring) over the
+    candidate strand orders (`candidate_orders(dag, max_orders, wgrad_move)` unless given)
+    and every lane pattern; with `memory`, the fastest whose peak fits its budget (where none
+    does, the one with the least peak). Deterministic: ties keep the first candidate
+    (program orders first)."""
+    if pairs < 1:
+        raise ValueError(f"a streamed SI block pairs at least one layer, got {pairs}")
+    model = _Model(fwd, bwd, costs)
+    fwd_orders = [tuple(o) for o in (fwd_orders or candidate_orders(fwd, max_orders, wgrad_move))]
+    bwd_orders = [tuple(o) for o in (bwd_orders or candidate_orders(bwd, max_orders, wgrad_move))]
+    counts = {d: sum(1 for n in model.ops[d].values() if n.kind == "comm") for d in (FWD, BWD)}
+    budget = memory.budget_bytes if memory is not None else None
+    best, searched = None, 0
+    for pattern in lane_patterns(counts[FWD], counts[BWD]):
+        for f in fwd_orders:
+            for b in bwd_orders:
+                ms, sequence, peak = simulate_streamed(model, f, b, pattern, pairs, memory)
+                searched += 1
+                # within the budget first, then faster; outside it, smaller peak first
+                key = (0, ms) if budget is None or peak <= budget else (1, peak)
+                if best is None or key < best[0]:
+                    best = (key, ms, f, b, pattern, sequence, peak)
+    _, ms, f, b, pattern, sequence, peak = best
+    return StreamedSchedule(fwd_order=f, bwd_order=b, lane_pattern=tuple(pattern),
+                            sequence=sequence, pairs=pairs, total_ms=ms, searched=searched,
+                            peak_bytes=peak if memory is not None else None,
+                            budget_bytes=budget)
+
+
+class StreamedPlanner:
+    """Streamed schedules of one layer's DAGs and costs (and memory bound, or None) for any
+    SI block size, each searched once (`plan_streamed`) and kept: an SI block pairs all of a
+    rank's layers without pipelining and a chunk's on a folded stage."""
+
+    def __init__(self, fwd: OpDAG, bwd: OpDAG, costs: CostModel, max_orders: int = 64,
+                 wgrad_move: int = 4, memory: MemoryBound | None = None):
+        self.fwd, self.bwd, self.costs, self.memory = fwd, bwd, costs, memory
+        self.max_orders, self.wgrad_move = max_orders, wgrad_move
+        self._schedules: dict = {}
+
+    def for_pairs(self, pairs: int) -> StreamedSchedule:
+        if pairs not in self._schedules:
+            self._schedules[pairs] = plan_streamed(self.fwd, self.bwd, self.costs, pairs,
+                                                   self.max_orders, self.wgrad_move,
+                                                   memory=self.memory)
+        return self._schedules[pairs]

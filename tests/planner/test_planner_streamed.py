@@ -1,0 +1,168 @@
+"""Streamed SI blocks (`planner.streamed`): a hand-timed example, the sequence's guarantees
+(every operator of every layer once, each strand in its order and layer by layer, the lane
+order of the collectives) and the simulated time's bounds on random DAGs."""
+
+import math
+import random
+
+import pytest
+from tests.planner.planner_reference import random_dag, random_profile
+
+from dhelix.dag import OpDAG, OpNode
+from dhelix.runtime.streamed_executor import StrandChain
+from planner.costs import CostModel, build_cost_model
+from planner.memory import MemoryBound, OpMemory
+from planner.streamed import StreamedPlanner, lane_patterns, plan_streamed
+
+
+def _chain(direction: str, prefix: str) -> OpDAG:
+    """compute (10 ms) -> cross-node collective (20 ms) -> compute (10 ms)."""
+    return OpDAG(direction, (OpNode(f"{prefix}1", "comp", "compute"),
+                             OpNode(f"{prefix}c", "comm", "inter", (f"{prefix}1",)),
+                             OpNode(f"{prefix}2", "comp", "compute", (f"{prefix}c",))))
+
+
+def _costs(fwd: OpDAG, bwd: OpDAG, sigma: float) -> CostModel:
+    solo = {"1": 10.0, "c": 20.0, "2": 10.0}
+    solo_f = {op.id: solo[op.id[1:]] for op in fwd.ops}
+    solo_b = {op.id: solo[op.id[1:]] for op in bwd.ops}
+    pairs = {(f.id, b.id): sigma for f in fwd.ops for b in bwd.ops}
+    return CostModel("profile", solo_f, solo_b, pairs,
+                     {key: "measured" for key in pairs}, "sha", "hw")
+
+
+@pytest.mark.parametrize("sigma", [1.0, 2.0])
+def test_hand_timed_pair(sigma):
+    """One layer pair: f1 0-10, fc 10-30 on the lane, b1 10-20 (10-30 at sigma 2, slowed
+    by fc), bc queued behind fc 30-50, f2 30-40 (30-50 at sigma 2, slowed by bc), b2 50-60:
+    60 ms against 80 for the strands one after the other. Both lane orders take 60; the
+    first (forward's collective first) is kept."""
+    fwd, bwd = _chain("fwd", "f"), _chain("bwd", "b")
+    schedule = plan_streamed(fwd, bwd, _costs(fwd, bwd, sigma), pairs=1)
+    assert schedule.total_ms == pytest.approx(60.0)
+    assert schedule.lane_pattern == ("fwd", "bwd") and schedule.searched == 2
+    assert [(s.strand, s.op) for s in schedule.sequence] == [
+        ("fwd", "f1"), ("fwd", "fc"), ("bwd", "b1"), ("bwd", "bc"), ("fwd", "f2"),
+        ("bwd", "b2")]
+
+
+def _sequence_peak(schedule, memory: MemoryBound) -> float:
+    """Live bytes along the schedule's sequence above the start of the latest layer pair
+    both strands finished (reference for its `peak_bytes`)."""
+    mems = {"fwd": memory.fwd, "bwd": memory.bwd}
+    orders = {"fwd": schedule.fwd_order, "bwd": schedule.bwd_order}
+    drift = sum(mems[d].delta[o] for d in mems for o in orders[d])
+    live, peak, ran = 0.0, 0.0, {"fwd": 0, "bwd": 0}
+    for step in schedule.sequence:
+        mem = mems[step.strand]
+        finished = min(ran[d] // len(orders[d]) for d in ran)
+        peak = max(peak, live - finished * drift
+                   + max(mem.transient[step.op], 0, mem.delta[step.op]))
+        live += mem.delta[step.op]
+        ran[step.strand] += 1
+    return peak
+
+
+def test_memory_bound_picks_the_sequence_that_fits():
+    """Forward f1 +10, f2 +10; backward b1 -5, b2 -15 (bytes). Both lane orders take 60
+    ms; the first (forward's collective first) runs f2 with only b1 freed: peak 15. With a
+    budget of 10 the backward's collective goes first (b1, f1, b2, f2: peak 5)."""
+    fwd, bwd = _chain("fwd", "f"), _chain("bwd", "b")
+    costs = _costs(fwd, bwd, 1.0)
+    memory = MemoryBound(
+        fwd=OpMemory({"f1": 10, "fc": 0, "f2": 10}, {"f1": 10, "fc": 0, "f2": 10}),
+        bwd=OpMemory({"b1": -5, "bc": 0, "b2": -15}, {"b1": 0, "bc": 0, "b2": 0}),
+        reference_bytes=10, margin_bytes=0)
+    free = plan_streamed(fwd, bwd, costs, pairs=1)
+    assert free.lane_pattern == ("fwd", "bwd") and free.within_budget is None
+    assert _sequence_peak(free, memory) == 15
+    bounded = plan_streamed(fwd, bwd, costs, pairs=1, memory=memory)
+    assert bounded.lane_pattern == ("bwd", "fwd") and bounded.total_ms == pytest.approx(60.0)
+    assert bounded.peak_bytes == _sequence_peak(bounded, memory) == 5
+    assert bounded.within_budget and bounded.budget_bytes == 10
+
+
+def test_layers_chain_one_after_the_other():
+    """Three pairs: a strand's layer starts after its previous layer ended (collective
+    included), so the streamed block is shorter than three separate pairs but no shorter
+    than the lane's work (6 collectives x 20 ms)."""
+    fwd, bwd = _chain("fwd", "f"), _chain("bwd", "b")
+    schedule = StreamedPlanner(fwd, bwd, _costs(fwd, bwd, 1.0)).for_pairs(3)
+    assert 120.0 <= schedule.total_ms < 3 * 60.0
+    assert schedule.pair_ms == pytest.approx(schedule.total_ms / 3)
+    for strand in ("fwd", "bwd"):
+        pairs = [s.pair for s in schedule.sequence if s.strand == strand]
+        assert pairs == sorted(pairs) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_lane_patterns_are_every_interleaving():
+    assert lane_patterns(2, 2) == [("fwd", "fwd", "bwd", "bwd"), ("fwd", "bwd", "fwd", "bwd"),
+                                   ("fwd", "bwd", "bwd", "fwd"), ("bwd", "fwd", "fwd", "bwd"),
+                                   ("bwd", "fwd", "bwd", "fwd"), ("bwd", "bwd", "fwd", "fwd")]
+    assert lane_patterns(0, 0) == [()]
+    assert len(lane_patterns(3, 4)) == math.comb(7, 3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sequence_guarantees_on_random_dags(seed):
+    rng = random.Random(seed)
+    fwd, bwd = random_dag(rng, "fwd", 6), random_dag(rng, "bwd", 7)
+    costs = build_cost_model(fwd, bwd, random_profile(rng, fwd, bwd))
+    pairs = 3
+    schedule = plan_streamed(fwd, bwd, costs, pairs, max_orders=6)
+    orders = {"fwd": schedule.fwd_order, "bwd": schedule.bwd_order}
+    for strand, dag in (("fwd", fwd), ("bwd", bwd)):
+        assert sorted(orders[strand]) == sorted(dag.ids)
+        steps = [(s.pair, s.op) for s in schedule.sequence if s.strand == strand]
+        assert steps == [(p, op) for p in range(pairs) for op in orders[strand]]
+    kinds = {"fwd": fwd.by_id(), "bwd": bwd.by_id()}
+    lane = [s.strand for s in schedule.sequence if kinds[s.strand][s.op].kind == "comm"]
+    assert lane == list(schedule.lane_pattern) * pairs
+    # bounds: at least the compute lane's and every channel's work; at most all of it
+    # back to back, computation at the slowest co-run rate
+    compute = sum(costs.solo_f[o.id] for o in fwd.ops if o.kind == "comp") + sum(
+        costs.solo_b[o.id] for o in bwd.ops if o.kind == "comp")
+    channel = {}
+    for dag, solo in ((fwd, costs.solo_f), (bwd, costs.solo_b)):
+        for op in dag.ops:
+            if op.kind == "comm":
+                channel[op.channel] = channel.get(op.channel, 0.0) + solo[op.id]
+    slowest = max(costs.sigma.values(), default=1.0)
+    assert schedule.total_ms >= pairs * max([compute, *channel.values()]) - 1e-9
+    assert schedule.total_ms <= pairs * (compute * slowest + sum(channel.values())) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_memory_bounded_sequences_report_their_peak(seed):
+    """On random DAGs and memory: the reported peak is the sequence's, and a schedule said
+    to be within the budget is; a generous budget changes nothing."""
+    rng = random.Random(100 + seed)
+    fwd, bwd = random_dag(rng, "fwd", 6), random_dag(rng, "bwd", 7)
+    costs = build_cost_model(fwd, bwd, random_profile(rng, fwd, bwd))
+
+    def measured(dag):
+        delta = {op.id: rng.randint(-4, 6) for op in dag.ops}
+        return OpMemory(delta, {o: max(d, 0) + rng.randint(0, 3) for o, d in delta.items()})
+
+    mem_f, mem_b = measured(fwd), measured(bwd)
+    for budget in (0.0, 5.0, 1e9):
+        memory = MemoryBound(mem_f, mem_b, reference_bytes=budget, margin_bytes=0.0)
+        schedule = plan_streamed(fwd, bwd, costs, 2, max_orders=4, memory=memory)
+        assert schedule.peak_bytes == pytest.approx(_sequence_peak(schedule, memory))
+        assert schedule.within_budget == (schedule.peak_bytes <= budget)
+    unbounded = plan_streamed(fwd, bwd, costs, 2, max_orders=4)
+    assert schedule.sequence == unbounded.sequence  # the 1e9 budget binds nowhere
+
+
+def test_a_chain_refuses_to_skip_a_layer():
+    opened = []
+    chain = StrandChain(open=lambda pair: opened.append(pair) or _Execution(),
+                        close=lambda execution: None)
+    chain.at(0)
+    assert chain.at(0) is chain.execution and opened == [0]
+    with pytest.raises(RuntimeError, match="jumps from layer pair 0 to 2"):
+        chain.at(2)
+
+
+class _Execution:
+    strand_slot = 1
