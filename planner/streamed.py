@@ -48,6 +48,8 @@ from planner.memory import MemoryBound
 from planner.orders import candidate_orders
 
 FWD, BWD = "fwd", "bwd"
+# simulations one search may run (~1 ms each for a Llama layer's 4 pairs)
+MAX_CANDIDATES = 2048
 
 
 @dataclass(frozen=True)
@@ -250,10 +252,12 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
                   max_orders: int = 64, wgrad_move: int = 4,
                   fwd_orders: Sequence[Sequence[str]] | None = None,
                   bwd_orders: Sequence[Sequence[str]] | None = None,
-                  memory: MemoryBound | None = None) -> StreamedSchedule:
+                  memory: MemoryBound | None = None,
+                  max_candidates: int = MAX_CANDIDATES) -> StreamedSchedule:
     """The fastest streamed interleaving of `pairs` layer pairs (module docstring) over the
     candidate strand orders (`candidate_orders(dag, max_orders, wgrad_move)` unless given)
-    and every lane pattern; with `memory`, the fastest whose peak fits its budget (where none
+    and every lane pattern, at most `max_candidates` simulations (every lane pattern, each
+    with the first strand orders that fit: program orders first); with `memory`, the fastest whose peak fits its budget (where none
     does, the one with the least peak). Deterministic: ties keep the first candidate
     (program orders first)."""
     if pairs < 1:
@@ -262,9 +266,15 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
     fwd_orders = [tuple(o) for o in (fwd_orders or candidate_orders(fwd, max_orders, wgrad_move))]
     bwd_orders = [tuple(o) for o in (bwd_orders or candidate_orders(bwd, max_orders, wgrad_move))]
     counts = {d: sum(1 for n in model.ops[d].values() if n.kind == "comm") for d in (FWD, BWD)}
+    patterns = lane_patterns(counts[FWD], counts[BWD])
+    # many collectives a layer (MoE) make many lane orders: fewer strand orders each
+    room = max(1, max_candidates // len(patterns))
+    fwd_orders = fwd_orders[:max(1, int(room ** 0.5))] if len(fwd_orders) * len(
+        bwd_orders) > room else fwd_orders
+    bwd_orders = bwd_orders[:max(1, room // len(fwd_orders))]
     budget = memory.budget_bytes if memory is not None else None
     best, searched = None, 0
-    for pattern in lane_patterns(counts[FWD], counts[BWD]):
+    for pattern in patterns:
         for f in fwd_orders:
             for b in bwd_orders:
                 ms, sequence, peak = simulate_streamed(model, f, b, pattern, pairs, memory)

@@ -146,6 +146,24 @@ def _layer_and_collectives(ctx):
     gemm = mode.report().by_term.get("gemm.dgrad", TermTotal(0, 0.0, 0))
     out["p2p_slowed"] = (gemm.count, gemm.slowed)
 
+    # one collective of a process group at a time (NCCL's one stream per communicator):
+    # rank 1 joins 0.4 s late, so rank 0's first all-reduce is still running when it issues
+    # a second on the same group, which then waits in the issuer for the first to end
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    dist.barrier()
+    if ctx.rank == 1:
+        time.sleep(0.4)
+    mode = _mode(scale=1.0)
+    with mode:
+        first = dist.all_reduce(torch.ones(8), async_op=True)
+        busy = mode._issuer.busy(_get_default_group())
+        second = dist.all_reduce(torch.ones(8), async_op=True)
+        deferred = mode.report().stream_ordered
+        second.wait()
+        first_done = first.is_completed()
+    out["group_fifo"] = (busy, deferred, first_done)
+
     # slowdown while an async collective is in flight (rank 0 joins it 0.5 s late)
     dist.barrier()
     if ctx.rank == 0:
@@ -192,6 +210,7 @@ def test_gpt_layer_and_collectives_under_the_mode():
             key, results[1][key])
     assert results[0]["under_recorder"] == (0, 1), results[0]["under_recorder"]
     assert results[0]["p2p_slowed"] == (1, 0), results[0]["p2p_slowed"]
+    assert results[0]["group_fifo"] == (True, 1, True), results[0]["group_fifo"]
     ms0, one0, slowed0, n0 = results[0]["slowdown"]
     ms1, one1, slowed1, n1 = results[1]["slowdown"]
     assert (slowed0, n0) == (0, 1) and ms0 == pytest.approx(one0)
