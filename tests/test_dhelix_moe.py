@@ -37,7 +37,9 @@ CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
          "ep2_mixed_shared_expert": ParityCase(MOE + SHARED, ("--dhelix",)),
          "ep2_mixed_llama_round_robin": ParityCase(MOE + LLAMA, ("--dhelix", "--dhelix-pairer",
                                                                  "round_robin")),
-         "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE))}
+         "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE)),
+         # streamed SI blocks: both strands' all-to-alls on one expert-parallel lane
+         "ep2_all_moe_streamed": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-streamed"))}
 STEPS = 2
 
 
@@ -120,5 +122,23 @@ def test_an_all_moe_stack_profiled_and_planned_from_its_profile(profiled):
             assert row["loss_diff"] <= FP32_LOSS and row["grad_diff"] <= FP32_GRAD, row
             assert row["param_diff"] <= FP32_PARAM, row
         for ref, got in zip(entry["aux_ref"], entry["aux"]):
+            assert max(abs(a - b) for a, b in zip(ref, got)) <= FP32_LOSS, (ref, got)
+        assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
+
+
+def test_an_all_moe_stack_streamed(launch):
+    """`--dhelix-streamed` on an all-MoE stack (analytic costs): every SI block one static
+    sequence, both strands' dispatch and combine all-to-alls on one lane in a fixed order;
+    losses, load-balancing losses, gradients and routing equal Megatron's."""
+    for entry in (rank["ep2_all_moe_streamed"] for rank in launch):
+        assert "SI blocks run streamed" in entry["describe"], entry["describe"]
+        assert entry["lanes"] == [("ep", "inter")]
+        assert entry["routing_equal"] and entry["moe_layers"] == [1, 2, 3, 4]
+        assert len(entry["rows"]) == STEPS and entry["eval_loss_diff"] <= FP32_EVAL
+        for row in entry["rows"]:
+            assert row["loss_diff"] <= FP32_LOSS and row["grad_diff"] <= FP32_GRAD, row
+            assert row["param_diff"] <= FP32_PARAM, row
+        for ref, got in zip(entry["aux_ref"], entry["aux"]):
+            assert all(v > 0 for v in ref) and len(got) == 4, (ref, got)
             assert max(abs(a - b) for a, b in zip(ref, got)) <= FP32_LOSS, (ref, got)
         assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")

@@ -30,6 +30,7 @@ Benchmark baselines built from the same machinery:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shlex
 from dataclasses import dataclass
@@ -360,6 +361,23 @@ def _streamed_planner(run: DHelixRun, fwd, bwd, costs, memory=None) -> StreamedP
     return StreamedPlanner(fwd, bwd, costs, memory=memory)
 
 
+def _check_stage_agrees(schedule) -> None:
+    """Refuse (DHelixSetupError, on every rank) a streamed sequence that differs between the
+    ranks of this stage: both strands share one lane group, so two ranks issuing their
+    collectives in different orders would pair one strand's all-reduce with the other's.
+    The inputs (profile, memory readings reduced over the stage) are the same on every rank;
+    this makes sure. Collective over the stage's group."""
+    group = _stage_group()
+    digest = hashlib.sha256(repr([(s.strand, s.pair, s.op) for s in schedule.sequence])
+                            .encode()).hexdigest()
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digest, group=group)
+    if len(set(everyone)) > 1:
+        raise DHelixSetupError("--dhelix-streamed: the ranks of a pipeline stage planned "
+                               "different operator sequences; give every rank the same "
+                               "--dhelix-profile (or none)")
+
+
 def _streamed_summary(schedule) -> str:
     """One phrase for the plan line: the streamed schedule's size, time and memory."""
     text = (f"streamed SI blocks ({schedule.pairs} layer pairs: {schedule.pair_ms:.2f} ms a "
@@ -436,6 +454,9 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     streamed = None
     if options.streamed:
         streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
+        sizes = sorted({len(parts.chunk_layers(c)) for c in range(parts.num_chunks)})
+        for size in sizes:  # every SI block size this rank runs: one per chunk
+            _check_stage_agrees(streamed.for_pairs(size))
         schedule = streamed.for_pairs(len(bound))
         source += "; " + _streamed_summary(schedule)
         if schedule.within_budget is False:
