@@ -137,7 +137,7 @@ def simulate_streamed(model: _Model, fwd_order: Sequence[str], bwd_order: Sequen
     lane_queue = [(direction, pair) for pair in range(pairs) for direction in pattern]
     next_lane = 0  # the next collective of lane_queue to issue
     done_at: dict = {}  # (direction, pair, op) -> end time
-    lanes: dict = {}  # channel -> [end time of the last collective queued on it]
+    lanes: dict = {}  # channel -> end time of the last collective queued on it
     running: list = []  # collectives in flight: (start, end, sigma)
     sequence = []
     t = 0.0
