@@ -76,7 +76,7 @@ class DHelixOptions:
                    profile=args.dhelix_profile, pairer=args.dhelix_pairer,
                    block_barriers=bool(args.dhelix_block_barriers),
                    layer_seams=bool(args.dhelix_layer_seams),
-                   streamed=bool(getattr(args, "dhelix_streamed", False)), attention=args.dhelix_attention,
+                   streamed=bool(args.dhelix_streamed), attention=args.dhelix_attention,
                    memory_bound=bool(args.dhelix_memory_bound),
                    memory_margin_mib=(None if args.dhelix_memory_margin is None
                                       else float(args.dhelix_memory_margin)),

@@ -106,6 +106,7 @@ def _plan_costs(run) -> dict:
     many a step has ((m - 1) x (layers - 1) without pipelining)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+    from dhelix.runtime.setup import si_block_pairs
     from planner.baselines import sequential_pairing
     from planner.cosched import simulate_block, strand_alone_ms
 
@@ -121,7 +122,7 @@ def _plan_costs(run) -> dict:
     planned = plan.planned_ms
     streamed = setup.runner.streamed
     if streamed is not None:  # the streamed schedule's time a pair, no seams
-        planned = streamed.for_pairs(len(setup.runner.bound_layers)).pair_ms
+        planned = streamed.for_pairs(max(si_block_pairs(setup.parts))).pair_ms
         seams = 0 if seams is not None else None
     out = {"sequential_ms": plan.sequential_ms, "planned_ms": planned,
            "paired_layers_per_step": pairs, "seams_per_step": seams}

@@ -13,8 +13,9 @@
   could issue the strands' collectives in different orders and the transport would pair
   one strand's all-reduce with the other's. Per strand, the order is the plan's on every
   rank. (The streamed executor, `dhelix.runtime.streamed_executor`, runs one static
-  sequence whose order is the same on every rank, and puts both strands on slot 0.) On CPU these are gloo groups whose work runs on gloo's threads
-  while the calling thread computes; on GPU they are NCCL communicators, each with its own
+  sequence whose order is the same on every rank, and puts both strands on slot 0.) On
+  CPU these are gloo groups whose work runs on gloo's threads while the calling thread
+  computes; on GPU they are NCCL communicators, each with its own
   CUDA stream, so an intra-node collective of one strand, a cross-node collective of the
   other and the compute stream proceed concurrently. A consumer waits on the collective's
   work handle (`work.wait()`): on CPU it blocks the thread, on GPU it only makes the current

@@ -120,16 +120,16 @@ class DHelixSetup:
         streamed = self.runner.streamed
         if streamed is not None:
             return self.plan.sequential_ms / streamed.for_pairs(
-                len(self.runner.bound_layers)).pair_ms
+                max(si_block_pairs(self.parts))).pair_ms
         return self.plan.speedup
 
     def describe(self) -> str:
         """One line for logs: plan source, block count, the seam between layer pairs,
         predicted speedup, timing-only mark."""
         blocks = len(self.plan.blocks) if self.plan is not None else len(self.runner.blocks)
-        line = f"plan {self.plan_source}: {blocks} blocks"
-        if self.runner.streamed is not None:  # the blocks' orders and barriers are unused
-            line = f"plan {self.plan_source}: SI blocks run streamed, not in blocks"
+        line = (f"plan {self.plan_source}: {blocks} blocks" if self.runner.streamed is None
+                # the blocks' orders and barriers are unused
+                else f"plan {self.plan_source}: SI blocks run streamed, not in blocks")
         seam = self.runner.seam
         if seam is not None:
             line += (f", layer pairs overlap at a seam (the first {seam.head} and last "
@@ -348,6 +348,12 @@ def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
     return plan, source, costs
 
 
+def si_block_pairs(parts: GPTParts) -> list:
+    """The sizes (layer pairs) of the SI blocks this rank runs, ascending: an SI block pairs
+    one model chunk's layers (all of them without pipelining)."""
+    return sorted({len(parts.chunk_layers(c)) for c in range(parts.num_chunks)})
+
+
 def _streamed_planner(run: DHelixRun, fwd, bwd, costs, memory=None) -> StreamedPlanner:
     """`--dhelix-streamed`: the planner of the run's streamed SI blocks
     (`planner.streamed`), from the cost model the plan was built with, else (a plan file)
@@ -454,16 +460,15 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     streamed = None
     if options.streamed:
         streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
-        sizes = sorted({len(parts.chunk_layers(c)) for c in range(parts.num_chunks)})
-        for size in sizes:  # every SI block size this rank runs: one per chunk
+        for size in si_block_pairs(parts):
             _check_stage_agrees(streamed.for_pairs(size))
-        schedule = streamed.for_pairs(len(bound))
-        source += "; " + _streamed_summary(schedule)
+        schedule = streamed.for_pairs(max(si_block_pairs(parts)))
+        summary = _streamed_summary(schedule)
+        source += "; " + summary
         if schedule.within_budget is False:
             log.warning("--dhelix-streamed: no streamed sequence fits the memory bound; running "
                         "the one with the least peak (%s): raise --dhelix-memory-margin, or "
-                        "drop --dhelix-streamed for the bounded block plan",
-                        _streamed_summary(schedule))
+                        "drop --dhelix-streamed for the bounded block plan", summary)
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
                          block_barriers=options.block_barriers,

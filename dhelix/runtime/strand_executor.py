@@ -33,11 +33,12 @@ matched), and the two strands never share state: tensors belong to their own
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from dhelix.runtime.timeline import span_or_nothing
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class _Strand:
         if timeline is not None and kind == "compute" and not self.execution.op_ready(op_id):
             with timeline.span("wait", op_id):
                 self.execution.wait_inputs(op_id)
-        with _span(timeline, kind, op_id):
+        with span_or_nothing(timeline, kind, op_id):
             self.execution.run(op_id)
         self.next += 1
 
@@ -96,9 +97,6 @@ class _Strand:
         while not self.done() and self.kinds[self.head()] == "comm":
             self.run_head(timeline)
 
-
-def _span(timeline, kind: str, name: str):
-    return nullcontext() if timeline is None else timeline.span(kind, name)
 
 
 def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
@@ -114,7 +112,7 @@ def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
     with torch.no_grad():  # what every operator runs under (LayerExecution.run), set once
         _run_strands(strands, timeline)
     if barrier:
-        with _span(timeline, "barrier", "block end"):
+        with span_or_nothing(timeline, "barrier", "block end"):
             for strand in strands:
                 strand.execution.wait_pending()
 

@@ -23,11 +23,12 @@ last reader; nothing is left in flight when `run_streamed` returns.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+
+from dhelix.runtime.timeline import span_or_nothing
 
 SHARED_LANE_SLOT = 0
 
@@ -75,17 +76,14 @@ def run_streamed(sequence: Sequence, chains: dict, timeline=None) -> None:
             execution = chains[step.strand].at(step.pair)
             program = execution.programs.program(execution.phase)
             if program[step.op].kind == "comm":
-                with _span(timeline, "issue", step.op):
+                with span_or_nothing(timeline, "issue", step.op):
                     execution.run(step.op)
                 continue
             if timeline is not None and not execution.op_ready(step.op):
                 with timeline.span("wait", step.op):
                     execution.wait_inputs(step.op)
-            with _span(timeline, "compute", step.op):
+            with span_or_nothing(timeline, "compute", step.op):
                 execution.run(step.op)
     for chain in chains.values():
         chain.finish()
 
-
-def _span(timeline, kind: str, name: str):
-    return nullcontext() if timeline is None else timeline.span(kind, name)

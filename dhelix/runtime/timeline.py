@@ -15,7 +15,7 @@ the spans are host-side launch times, not kernel times; use them on CPU.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 KINDS = ("compute", "issue", "wait", "barrier")
@@ -54,3 +54,9 @@ class Timeline:
                            "tid": KINDS.index(kind), "ts": (start - origin) * 1e6,
                            "dur": (end - start) * 1e6})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def span_or_nothing(timeline: "Timeline | None", kind: str, name: str):
+    """`timeline.span(kind, name)`, or a context that records nothing when `timeline` is
+    None (the executors' default)."""
+    return nullcontext() if timeline is None else timeline.span(kind, name)
