@@ -190,16 +190,23 @@ def op_masks(order: Sequence[str], ops: dict) -> list[int]:
 
 
 def collective_sigma(costs: CostModel, op_id: str, direction: str, other_compute) -> float:
-    """Co-run slowdown of collective `op_id` (of `direction`) with computation: the median
-    of its measured (or estimated) sigma against the other direction's computations
-    `other_compute` (the profile measures pairs across the two strands only), 1.0 when
-    there are none. The median, not the mean: a pair of a tiny operator carries its noise
-    divided by the tiny operator's time (sigma = 2 - OEF), and one such entry (sigma 52,
-    an emulated profile at S = 50) made a mean several times every other entry."""
-    if direction == "fwd":
-        values = [costs.sigma[(op_id, o)] for o in other_compute if (op_id, o) in costs.sigma]
-    else:
-        values = [costs.sigma[(o, op_id)] for o in other_compute if (o, op_id) in costs.sigma]
+    """Co-run slowdown of computation beside collective `op_id` (of `direction`): the
+    median of its measured (or estimated) sigma against the other direction's computations
+    `other_compute` (the profile measures pairs across the two strands only) that take at
+    least as long as the collective alone, else against all of them; 1.0 when there are
+    none. Only those pairs show the slowdown: a computation shorter than the collective ends
+    inside it, the pair's makespan is the collective's whatever the computation's slowdown,
+    and its sigma reads ~1.0 (an emulated GPU slowing every kernel beside a collective by
+    25% read 1.0-1.2 from such pairs). The median, not the mean: a pair of a tiny operator
+    carries its noise divided by the tiny operator's time (sigma = 2 - OEF), and one such
+    entry (sigma 52, an emulated profile at S = 50) made a mean several times every other
+    entry."""
+    solo = costs.solo_f if direction == "fwd" else costs.solo_b
+    other_solo = costs.solo_b if direction == "fwd" else costs.solo_f
+    key = (lambda o: (op_id, o)) if direction == "fwd" else (lambda o: (o, op_id))
+    measured = [o for o in other_compute if key(o) in costs.sigma]
+    long_enough = [o for o in measured if other_solo[o] >= solo[op_id]]
+    values = [costs.sigma[key(o)] for o in (long_enough or measured)]
     return float(np.median(values)) if values else 1.0
 
 
@@ -209,11 +216,12 @@ def strand_alone_ms(order: Sequence[str], ops: dict, costs: CostModel, direction
     (`dhelix.runtime.strand_executor.run_alone`), where the block model's solo segment
     counts the sum of the solo times: a collective is issued when the strand reaches it and
     proceeds on its channel while the strand goes on; a computation waits only for the
-    collectives it reads (its DAG deps); collectives of one channel run one after another;
-    while computation and collectives are in flight together each progresses at 1/sigma
-    (`collective_sigma`, the largest of those in flight); the segment ends when its
-    collectives have completed. `ops` / `other_ops`: op id -> OpNode of this direction /
-    the other one. Never more than the sum of the solo times when every sigma is <= 2."""
+    collectives it reads (its DAG deps); collectives of one channel run one after another
+    at their solo speed; computation progresses at 1/sigma while collectives are in flight
+    (`collective_sigma`, the largest of those in flight), as in the streamed simulation
+    (`planner.streamed`); the segment ends when its collectives have completed. `ops` /
+    `other_ops`: op id -> OpNode of this direction / the other one. Never more than the
+    sum of the solo times when every sigma is <= 2."""
     solo = costs.solo_f if direction == "fwd" else costs.solo_b
     other_compute = [o for o, node in other_ops.items() if node.kind != "comm"]
     sigma = {o: collective_sigma(costs, o, direction, other_compute)
@@ -239,12 +247,15 @@ def strand_alone_ms(order: Sequence[str], ops: dict, costs: CostModel, direction
                 raise ValueError(f"{order[position]!r} waits for a collective never issued "
                                  "(order not legal)")
             return t
-        running = heads + ([compute] if compute is not None else [])
-        step = min(work for _, work in running)
         slowdown = max(sigma[o] for o, _ in heads) if heads and compute is not None else 1.0
-        t += step * slowdown
-        for item in running:
+        # the next event: a collective's end (solo speed) or the computation's (1/slowdown)
+        step = min([work for _, work in heads]
+                   + ([compute[1] * slowdown] if compute is not None else []))
+        t += step
+        for item in heads:
             item[1] -= step
+        if compute is not None:
+            compute[1] -= step / slowdown
         for queue in channels.values():
             if queue and queue[0][1] <= 1e-12:
                 done.add(queue.pop(0)[0])

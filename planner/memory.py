@@ -28,12 +28,14 @@ layer) in program order, whose peak is that of Megatron's backward over the same
 layer pairs on top of the same L layers (`outside_bytes`: without pipelining, the loss
 part's forward and backward at the first backward's start, which is where Megatron's step
 peaks), less what a layer pair holds at its start beyond those L layers and Megatron does
-not hold there (`pair_start_bytes`: the forward's layer input and the backward's output
-gradient, two [s, b, h] tensors; the loss part's own hidden state and its gradient are in
-its reading): a layer pair reaching the rest raises no peak. Measured at four Llama-8B
-layers, the step's peak came out those two tensors (64 MiB) above the plan's prediction
-before they were taken off. The budget is that plus a margin; the plan "all of B, then all
-of F" of the program orders always fits it, so the DP always has a plan.
+not hold there (`pair_start_bytes`, which the caller gives where it applies; the loss
+part's own hidden state and its gradient are in its reading): a layer pair reaching the rest
+raises no peak. Measured at Llama-8B shapes: with one layer the pair starts with the
+embedding's output and the loss part's input gradient besides (two [s, b, h] tensors, the
+step's peak came out those 64 MiB above the plan's prediction before they were taken off);
+with four layers the step's peak is the plan's less the loss part's reading, nothing to take
+off (`dhelix.runtime.setup._memory_bound`). The budget is that plus a margin; the plan "all
+of B, then all of F" of the program orders always fits it, so the DP always has a plan.
 """
 
 from __future__ import annotations

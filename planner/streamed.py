@@ -69,7 +69,9 @@ class StreamedSchedule:
     (strand names, e.g. ('bwd', 'fwd', 'bwd', 'fwd')), the static operator sequence of the
     whole SI block and its simulated time; `searched` counts the candidates simulated. With
     a memory bound: the sequence's peak above the SI block's start (`peak_bytes`), the
-    budget, and whether the peak is within it (None: no bound)."""
+    budget, whether the peak is within it (None: no bound), and the fastest candidate's time
+    and peak had there been no bound (`unbounded_ms`, `unbounded_peak_bytes`: what the bound
+    costs, and what a margin would have to allow to avoid it)."""
 
     fwd_order: tuple
     bwd_order: tuple
@@ -80,6 +82,8 @@ class StreamedSchedule:
     searched: int
     peak_bytes: float | None = None
     budget_bytes: float | None = None
+    unbounded_ms: float | None = None
+    unbounded_peak_bytes: float | None = None
 
     @property
     def within_budget(self) -> bool | None:
@@ -125,12 +129,12 @@ def lane_patterns(fwd_collectives: int, bwd_collectives: int) -> list[tuple]:
 
 
 def simulate_streamed(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
-                      pattern: Sequence[str], pairs: int, memory: MemoryBound | None = None
-                      ) -> tuple[float, tuple, float]:
+                      pattern: Sequence[str], pairs: int, memory: MemoryBound | None = None,
+                      steer: bool = True) -> tuple[float, tuple, float]:
     """(simulated ms, operator sequence, peak bytes above the start) of `pairs` layer
     pairs streamed as the module docstring says; the lane order of every pair's collectives
-    follows `pattern`; `memory` steers the compute lane within its budget (peak 0.0
-    without it)."""
+    follows `pattern`; `memory` measures the peak (0.0 without it) and, with `steer`, keeps
+    the compute lane within its budget."""
     orders = {FWD: tuple(fwd_order), BWD: tuple(bwd_order)}
     position = {FWD: 0, BWD: 0}  # index into the strand's whole stream (pairs x order)
     length = {d: pairs * len(orders[d]) for d in orders}
@@ -206,7 +210,7 @@ def simulate_streamed(model: _Model, fwd_order: Sequence[str], bwd_order: Sequen
                 raise ValueError(f"lane pattern {tuple(pattern)} does not fit the strand "
                                  "orders (a collective can never be issued)")
             break
-        if op_memory is not None and len(heads) > 1:
+        if op_memory is not None and steer and len(heads) > 1:
             fits = [d for d in heads if during(d, item(d)[1]) <= memory.budget_bytes]
             heads = fits or ([BWD] if BWD in heads else heads)
         owner = lane_queue[next_lane][0] if next_lane < len(lane_queue) else None
@@ -273,21 +277,29 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
         bwd_orders) > room else fwd_orders
     bwd_orders = bwd_orders[:max(1, room // len(fwd_orders))]
     budget = memory.budget_bytes if memory is not None else None
-    best, searched = None, 0
+    best, fastest, searched = None, None, 0
     for pattern in patterns:
         for f in fwd_orders:
             for b in bwd_orders:
-                ms, sequence, peak = simulate_streamed(model, f, b, pattern, pairs, memory)
-                searched += 1
-                # within the budget first, then faster; outside it, smaller peak first
-                key = (0, ms) if budget is None or peak <= budget else (1, peak)
-                if best is None or key < best[0]:
-                    best = (key, ms, f, b, pattern, sequence, peak)
+                # with a bound, the steered sequence and the free one (which the greedy
+                # steering need not beat where it fits)
+                for steer in ((True, False) if memory is not None else (True,)):
+                    ms, sequence, peak = simulate_streamed(model, f, b, pattern, pairs,
+                                                           memory, steer)
+                    searched += 1
+                    # within the budget first, then faster; outside it, smaller peak first
+                    key = (0, ms) if budget is None or peak <= budget else (1, peak)
+                    if best is None or key < best[0]:
+                        best = (key, ms, f, b, pattern, sequence, peak)
+                    if not steer and (fastest is None or ms < fastest[0]):
+                        fastest = (ms, peak)  # what the bound costs
     _, ms, f, b, pattern, sequence, peak = best
+    bounded = memory is not None
     return StreamedSchedule(fwd_order=f, bwd_order=b, lane_pattern=tuple(pattern),
                             sequence=sequence, pairs=pairs, total_ms=ms, searched=searched,
-                            peak_bytes=peak if memory is not None else None,
-                            budget_bytes=budget)
+                            peak_bytes=peak if bounded else None, budget_bytes=budget,
+                            unbounded_ms=fastest[0] if bounded else None,
+                            unbounded_peak_bytes=fastest[1] if bounded else None)
 
 
 class StreamedPlanner:

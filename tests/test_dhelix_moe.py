@@ -39,7 +39,11 @@ CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
                                                                  "round_robin")),
          "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE)),
          # streamed SI blocks: both strands' all-to-alls on one expert-parallel lane
-         "ep2_all_moe_streamed": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-streamed"))}
+         # (unbounded: the analytic costs put the memory-bounded sequence behind the block
+         # plan, and setup then runs blocks, the second case)
+         "ep2_all_moe_streamed": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-streamed",
+                                                      "--dhelix-no-memory-bound")),
+         "ep2_all_moe_streamed_slower": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-streamed"))}
 STEPS = 2
 
 
@@ -142,3 +146,16 @@ def test_an_all_moe_stack_streamed(launch):
             assert all(v > 0 for v in ref) and len(got) == 4, (ref, got)
             assert max(abs(a - b) for a, b in zip(ref, got)) <= FP32_LOSS, (ref, got)
         assert_ran_on_the_engine(entry["executed"], "si", "OperatorPasses", path="linear")
+
+
+def test_a_streamed_sequence_slower_than_the_block_plan_runs_blocks(launch):
+    """`--dhelix-streamed` where the memory-bounded streamed sequence is predicted no faster
+    than the block plan (analytic costs, all-MoE stack): setup says so on the plan line and
+    runs the block plan, with Megatron's losses, gradients and routing."""
+    for entry in (rank["ep2_all_moe_streamed_slower"] for rank in launch):
+        describe = entry["describe"]
+        assert "not faster than the block plan" in describe, describe
+        assert "SI blocks run in blocks" in describe and "run streamed" not in describe
+        assert entry["routing_equal"] and len(entry["rows"]) == STEPS
+        for row in entry["rows"]:
+            assert row["loss_diff"] <= FP32_LOSS and row["grad_diff"] <= FP32_GRAD, row

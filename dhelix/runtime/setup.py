@@ -289,8 +289,10 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     pipelining a layer pair may also reach what the loss part holds on top of the layers'
     activations (`measure_loss_part_peak`, `planner.memory`'s `outside_bytes`): the SI
     schedule and Megatron's both peak there, at a backward's start, where the two
-    micro-batches' live layers number L as at every layer pair's start; less the two
-    boundary tensors a layer pair holds at its start besides (`pair_start_bytes`)."""
+    micro-batches' live layers number L as at every layer pair's start; where the SI
+    block pairs one layer, less the two boundary tensors its pair starts with besides (the
+    embedding's output and the loss part's gradient, `pair_start_bytes`; with more layers
+    the step's measured peak is the plan's less the loss part's reading, `planner.memory`)."""
     options = run.options
     if not options.memory_bound or options.pairer != "dp":
         return None
@@ -301,7 +303,8 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     if not run.parallel.pipelined and parts.model.post_process:
         desc = bound_layers[0].description
         outside = measure_loss_part_peak(parts, desc, device, rope, _stage_group())
-        pair_start = 2 * boundary_bytes(desc)  # the forward's input, the backward's gradient
+        if len(bound_layers) == 1:  # the embedding's output, the loss part's gradient
+            pair_start = 2 * boundary_bytes(desc)
     margin = _memory_margin(options, len(bound_layers), fwd, mem_f, outside)
     return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin,
                       outside, pair_start)
@@ -339,7 +342,10 @@ def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
     if memory is not None:
         recorded = plan.search["memory"]
         source += (f", memory bound {recorded['budget_mib']:.2f} MiB above a layer pair's "
-                   f"start, planned peak {recorded['plan_peak_mib']:.2f} MiB")
+                   f"start (reference {recorded['reference_mib']:.2f}, loss part "
+                   f"{recorded['outside_mib']:.2f} less {recorded['pair_start_mib']:.2f}, "
+                   f"margin {recorded['margin_mib']:.2f}), planned peak "
+                   f"{recorded['plan_peak_mib']:.2f} MiB")
     if costs.source == "profile":
         counts = pair_source_counts(costs, fwd, bwd)
         estimated = sum(n for name, n in counts.items() if name != "measured")
@@ -392,6 +398,9 @@ def _streamed_summary(schedule) -> str:
         verdict = "within" if schedule.within_budget else "ABOVE"
         text += (f", peak {schedule.peak_bytes / MIB:.2f} MiB {verdict} the memory bound "
                  f"{schedule.budget_bytes / MIB:.2f} MiB")
+        if schedule.unbounded_ms < schedule.total_ms:
+            text += (f"; without the bound {schedule.unbounded_ms / schedule.pairs:.2f} ms a "
+                     f"pair at {schedule.unbounded_peak_bytes / MIB:.2f} MiB")
     return text + ")"
 
 
@@ -465,7 +474,13 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
         schedule = streamed.for_pairs(max(si_block_pairs(parts)))
         summary = _streamed_summary(schedule)
         source += "; " + summary
-        if schedule.within_budget is False:
+        if schedule.pair_ms >= plan.planned_ms:
+            # e.g. one layer: nothing to stream, and one lane serialises what the block
+            # plan's two strand lanes overlap
+            source += (f": not faster than the block plan's {plan.planned_ms:.2f} ms a pair, "
+                       "SI blocks run in blocks")
+            streamed = None
+        elif schedule.within_budget is False:
             log.warning("--dhelix-streamed: no streamed sequence fits the memory bound; running "
                         "the one with the least peak (%s): raise --dhelix-memory-margin, or "
                         "drop --dhelix-streamed for the bounded block plan", summary)

@@ -153,10 +153,11 @@ def test_a_strand_alone_computes_while_its_collective_is_in_flight():
     costs = build_cost_model(fwd, bwd, _profile({"gemm": 4.0, "ar": 4.0, "wgrad": 3.0,
                                                  "norm": 1.0}, {"gemm|ar": 6.0}))
     assert costs.sigma[("g", "c")] == pytest.approx(1.5)
-    # w co-runs with c for 3 ms of work at sigma 1.5 (4.5 ms), c's last 1 ms runs alone,
-    # then r: 6.5 ms where the block model's solo segment counts 4 + 3 + 1
+    # w computes at 1/1.5 beside c (c at its solo speed): 8/3 ms of w's work by c's end at
+    # 4 ms, its last 1/3 ms alone, then r: 5 1/3 ms where the block model's solo segment
+    # counts 4 + 3 + 1
     assert strand_alone_ms(["c", "w", "r"], bwd.by_id(), costs, "bwd",
-                           fwd.by_id()) == pytest.approx(6.5)
+                           fwd.by_id()) == pytest.approx(4.0 + 1.0 / 3.0 + 1.0)
     # a reader right after the collective waits for it: nothing overlaps
     assert strand_alone_ms(["c", "r", "w"], bwd.by_id(), costs, "bwd",
                            fwd.by_id()) == pytest.approx(8.0)
@@ -178,6 +179,25 @@ def test_a_collectives_slowdown_is_not_carried_by_one_noisy_pair():
         {"ar|gemm": 6.0, "ar|wgrad": 6.0, "ar|tiny": 9.1}))
     assert costs.sigma[("c", "t")] > 50 and costs.sigma[("c", "g1")] == pytest.approx(1.5)
     assert collective_sigma(costs, "c", "fwd", ["g1", "g2", "t"]) == pytest.approx(1.5)
+
+
+def test_a_collectives_slowdown_comes_from_computations_as_long_as_it():
+    """`collective_sigma` reads the pairs whose computation lasts at least the collective:
+    two 1 ms norms beside a 4 ms all-reduce end inside it (the pair takes 4 ms, sigma 1.0
+    whatever their slowdown); the 8 ms GEMM's pair (9 ms) shows sigma 1.25."""
+    from planner.cosched import collective_sigma
+
+    fwd = _one_op("fwd", "c", "inter", "ar")
+    bwd = OpDAG("bwd", [OpNode("g", "comp", "compute", (), "gemm", False, "gemm"),
+                        OpNode("n1", "comp", "compute", ("g",), "norm1", False, "norm"),
+                        OpNode("n2", "comp", "compute", ("n1",), "norm2", False, "norm")])
+    costs = build_cost_model(fwd, bwd, _profile(
+        {"ar": 4.0, "gemm": 8.0, "norm1": 1.0, "norm2": 1.0},
+        {"ar|gemm": 9.0, "ar|norm1": 4.0, "ar|norm2": 4.0}))
+    assert costs.sigma[("c", "n1")] == pytest.approx(1.0)
+    assert collective_sigma(costs, "c", "fwd", ["g", "n1", "n2"]) == pytest.approx(1.25)
+    # no computation as long as the collective: the median over all of them
+    assert collective_sigma(costs, "c", "fwd", ["n1", "n2"]) == pytest.approx(1.0)
 
 
 def test_layer_seam_of_a_plan():

@@ -80,6 +80,9 @@ def test_memory_bound_picks_the_sequence_that_fits():
     assert bounded.lane_pattern == ("bwd", "fwd") and bounded.total_ms == pytest.approx(60.0)
     assert bounded.peak_bytes == _sequence_peak(bounded, memory) == 5
     assert bounded.within_budget and bounded.budget_bytes == 10
+    # what the bound cost: nothing here (both lane orders take 60 ms), the free one peaks 15
+    assert free.unbounded_ms is None and bounded.unbounded_ms == pytest.approx(60.0)
+    assert bounded.unbounded_peak_bytes == 15
 
 
 def test_layers_chain_one_after_the_other():
@@ -150,8 +153,14 @@ def test_memory_bounded_sequences_report_their_peak(seed):
         schedule = plan_streamed(fwd, bwd, costs, 2, max_orders=4, memory=memory)
         assert schedule.peak_bytes == pytest.approx(_sequence_peak(schedule, memory))
         assert schedule.within_budget == (schedule.peak_bytes <= budget)
+        # the unbounded search's fastest: never slower than the bounded choice, and where
+        # faster, above the budget
+        assert schedule.unbounded_ms <= schedule.total_ms
+        if schedule.unbounded_ms < schedule.total_ms:
+            assert schedule.unbounded_peak_bytes > budget
     unbounded = plan_streamed(fwd, bwd, costs, 2, max_orders=4)
     assert schedule.sequence == unbounded.sequence  # the 1e9 budget binds nowhere
+    assert schedule.unbounded_ms == unbounded.total_ms
 
 
 def test_a_chain_refuses_to_skip_a_layer():
