@@ -223,7 +223,9 @@ def markdown(results: dict) -> str:
                      f"{emulation['time_scale']:g})" if emulation else "")
                   + "; gloo threads "
                   f"{_COMM_PRIORITY.get(entry.get('comm_priority'), 'scheduling not recorded')}"
-                  f"; cores: {entry.get('cores', 'placement not recorded')}"
+                  + (" and so the emulated GPU's host threads (dhelix.cluster.host_threads)"
+                     if emulation and entry.get("comm_priority") == "fifo" else "")
+                  + f"; cores: {entry.get('cores', 'placement not recorded')}"
                   "; load average before/after "
                   f"{entry['load_before']} / {entry['load_after']}; communication = "
                   f"{_fmt(share, '{:.0%}')} of Megatron's step; cleanup: "

@@ -8,7 +8,10 @@ the computing thread for its share of the core, and the link idles meanwhile: ev
 collective in flight during computation is stretched, and a schedule that overlaps
 communication with computation loses part of what it hides. `CommThreadPriority` gives
 every gloo thread of the run's processes SCHED_FIFO priority, so it runs as soon as it is
-runnable, as a NIC would. With a core placement (`dhelix.cluster.cores`) the same scan
+runnable, as a NIC would. The emulated GPU's host threads (named by
+`dhelix.cluster.host_threads`: the rank's kernel-issuing thread and its collective
+issue) get the same priority, as a GPU node's host threads have cores of their own; they are
+never pinned to communication cores. With a core placement (`dhelix.cluster.cores`) the same scan
 also moves each node's gloo threads onto that node's communication cores, so the CPU they
 use no longer comes out of the computation's cores; without one (a 2-core host) it does.
 
@@ -16,9 +19,10 @@ Measured on the 2-core development machine (docs/emulated_cluster.md, "Communica
 threads"): with it, steps of every system got 9-18% shorter in configurations (a) and (a2)
 of the benchmark.
 
-Guarantees: only threads whose name starts with one of `COMM_THREAD_PREFIXES`, in processes
-descended from the given root pids, are changed (policy when `raise_priority`, affinity to
-the root's cores in `comm_cores`); the computing threads keep their policy and affinity;
+Guarantees: only threads whose name starts with one of `COMM_THREAD_PREFIXES` or with
+`HOST_THREAD_PREFIX`, in processes descended from the given root pids, are changed (policy
+when `raise_priority`; affinity to the root's cores in `comm_cores`, communication threads
+only); the computing threads keep their policy and affinity;
 each thread is changed at most once; threads created later are found by a later `scan()`;
 a thread that ended meanwhile is skipped and a refusal (EPERM) counted in `failures`,
 never raised. Nothing needs undoing: the policy dies with the thread. Linux only (reads /proc).
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from dhelix.cluster.host_threads import HOST_THREAD_PREFIX
 
 COMM_THREAD_PREFIXES = ("gloo", "pt_gloo")
 POLICIES = ("fifo", "normal")
@@ -134,10 +140,11 @@ class CommThreadPriority:
                 name = (PROC / str(pid) / "task" / str(tid) / "comm").read_text().strip()
             except OSError:
                 continue
-            if not name.startswith(COMM_THREAD_PREFIXES):
+            comm = name.startswith(COMM_THREAD_PREFIXES)
+            if not comm and not name.startswith(HOST_THREAD_PREFIX):
                 continue
             try:
-                if cores:
+                if cores and comm:
                     os.sched_setaffinity(tid, cores)
                 if self.raise_priority:
                     os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(self.priority))

@@ -21,6 +21,7 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
+from dhelix.cluster.host_threads import MAIN_THREAD_NAME, name_current_thread
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 from dhelix.gpu_emulation.mode import H100_OVERLAP_SLOWDOWN, EmulationConfig, GpuEmulationMode
 
@@ -81,10 +82,12 @@ def emulated_link_rate(bits_per_s: int, time_scale: float) -> int:
 def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig):
     """Open the core-attention and fused-norm regions of every module in `chunks` (a model
     chunk or a list of them) and a new `GpuEmulationMode(model, config)`; yields the mode.
-    Leaving drains the emulated stream (the host waits for the last kernel)."""
+    Leaving drains the emulated stream (the host waits for the last kernel). The calling
+    thread is named the emulated GPU's host thread (`host_threads`)."""
     from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions
 
     chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
+    name_current_thread(MAIN_THREAD_NAME)  # the emulated GPU's host thread (host_threads)
     mode = GpuEmulationMode(model, config)
     with ExitStack() as stack:
         for chunk in chunks:

@@ -42,6 +42,7 @@ from torch._C._distributed_c10d import Work
 
 from dhelix.c10d_ops import process_group_of, unboxed_work
 from dhelix.gpu_emulation.aten_costs import namespace, op_name
+from dhelix.cluster.host_threads import ISSUE_THREAD_NAME, name_current_thread
 
 # c10d operators whose results are (their first argument, Work) or a Work alone
 _DEFERRABLE = frozenset({
@@ -140,6 +141,7 @@ class StreamOrderedIssuer:
         return boxed if len(func._schema.returns) == 1 else (args[0], boxed)
 
     def _run(self) -> None:
+        name_current_thread(ISSUE_THREAD_NAME)  # an emulated GPU host thread (host_threads)
         while True:
             item = self._queue.get()
             try:

@@ -1,5 +1,6 @@
 """Core placement of the emulated cluster: the split (pure), the pinning before exec, and
-gloo-named threads moved to their node's communication cores (real processes, no root)."""
+gloo-named threads moved to their node's communication cores (real processes, no root);
+the emulated GPU's host threads raised with them but left on their cores (root)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +56,8 @@ def test_cli_option_is_refused_in_one_line():
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                      reason="needs 2 usable cores")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs root")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @needs_two_cores
@@ -93,6 +97,45 @@ def test_gloo_threads_move_to_the_nodes_communication_cores_and_nothing_else_doe
         assert os.sched_getaffinity(tid) == {cores[-1]}
         assert os.sched_getaffinity(proc.pid) == set(cores)  # the main thread kept its cores
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER  # priority left alone
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# The gloo-named thread as above, and the main thread named as the emulated GPU's host
+# thread (dhelix.cluster.host_threads), which prints "named" once it is.
+_GLOO_AND_HOST_THREADS = """
+import ctypes, threading, time
+from dhelix.cluster.host_threads import MAIN_THREAD_NAME, name_current_thread
+def body():
+    ctypes.CDLL(None).prctl(15, b"gloo_tcp_loop", 0, 0, 0)
+    print(threading.get_native_id(), flush=True); time.sleep(60)
+threading.Thread(target=body, daemon=True).start()
+time.sleep(0.2)
+print("named" if name_current_thread(MAIN_THREAD_NAME) else "refused", flush=True)
+time.sleep(60)
+"""
+
+
+@needs_two_cores
+@needs_root
+def test_emulated_host_threads_get_the_nics_priority_but_keep_their_cores():
+    """A thread named by `host_threads` (the emulated GPU's kernel-issuing thread) is raised
+    to SCHED_FIFO like gloo's threads and, unlike them, is not moved to the communication
+    cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    proc = subprocess.Popen([sys.executable, "-c", _GLOO_AND_HOST_THREADS],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        gloo_tid = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "named"
+        assert open(f"/proc/{proc.pid}/task/{proc.pid}/comm").read().strip() == "emulated-host"
+        control = CommThreadPriority([proc.pid], comm_cores={proc.pid: (cores[-1],)})
+        assert control.scan() == 2 and control.failures == 0
+        assert os.sched_getscheduler(gloo_tid) == os.SCHED_FIFO
+        assert os.sched_getaffinity(gloo_tid) == {cores[-1]}
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_FIFO
+        assert os.sched_getaffinity(proc.pid) == set(cores)  # not pinned
     finally:
         proc.kill()
         proc.wait()
