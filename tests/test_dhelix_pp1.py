@@ -38,6 +38,12 @@ def dhelix(pairer: str, *extra: str) -> tuple:
     return ("--dhelix", "--dhelix-pairer", pairer, *extra)
 
 
+# streamed SI blocks, unbounded: setup streams only where the sequence is predicted faster
+# than the block plan, and with the memory bound the two come within a few percent at these
+# shapes, on either side as the measured memory moves between runs; without it the analytic
+# costs decide alone (tests/test_dhelix_moe.py checks the choice itself)
+STREAMED = ("--dhelix-streamed", "--dhelix-no-memory-bound")
+
 CASES_TP2 = {
     "tp2_sequential": ParityCase(TP2, dhelix("sequential")),
     "tp2_round_robin": ParityCase(TP2, dhelix("round_robin")),
@@ -46,8 +52,8 @@ CASES_TP2 = {
     "tp2_sp_llama_dp_seam": ParityCase(TP2 + SP + LLAMA, dhelix("dp"), seam=True),
     "tp2_sp_dp": ParityCase(TP2 + SP, dhelix("dp")),
     "tp2_sp_llama_dp": ParityCase(TP2 + SP + LLAMA, dhelix("dp")),
-    "tp2_dp_streamed": ParityCase(TP2, dhelix("dp", "--dhelix-streamed")),
-    "tp2_sp_llama_dp_streamed": ParityCase(TP2 + SP + LLAMA, dhelix("dp", "--dhelix-streamed")),
+    "tp2_dp_streamed": ParityCase(TP2, dhelix("dp", *STREAMED)),
+    "tp2_sp_llama_dp_streamed": ParityCase(TP2 + SP + LLAMA, dhelix("dp", *STREAMED)),
     # the tiny model: micro-batch 2 -> halves of 1
     "tp2_domino": ParityCase(TP2, dhelix("domino")),
     "tp2_sp_domino": ParityCase(TP2 + SP, dhelix("domino")),
@@ -56,7 +62,7 @@ CASES_TP4 = {
     "tp4_sp_dp": ParityCase(TP4 + SP, dhelix("dp")),
     "tp4_round_robin": ParityCase(TP4, dhelix("round_robin")),
     "tp4_sp_dp_seam": ParityCase(TP4 + SP, dhelix("dp"), seam=True),
-    "tp4_sp_dp_streamed": ParityCase(TP4 + SP, dhelix("dp", "--dhelix-streamed")),
+    "tp4_sp_dp_streamed": ParityCase(TP4 + SP, dhelix("dp", *STREAMED)),
 }
 
 
@@ -163,7 +169,8 @@ def test_streamed_si_blocks_ran_streamed(tp2, tp4):
     so."""
     trained = {name: entry for name, entry in {**tp2, **tp4}.items() if "rows" in entry}
     streamed = {name for name, entry in trained.items() if entry["streamed_si_blocks"]}
-    assert streamed == {"tp2_dp_streamed", "tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"}
+    assert streamed == {"tp2_dp_streamed", "tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"}, {
+        name: trained[name]["describe"] for name in trained if "streamed" in name}
     for name in streamed:
         entry = trained[name]
         steps = len(entry["rows"])

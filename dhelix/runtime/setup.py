@@ -474,11 +474,11 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
         schedule = streamed.for_pairs(max(si_block_pairs(parts)))
         summary = _streamed_summary(schedule)
         source += "; " + summary
+        source += f" against the block plan's {plan.planned_ms:.2f} ms a pair"
         if schedule.pair_ms >= plan.planned_ms:
             # e.g. one layer: nothing to stream, and one lane serialises what the block
             # plan's two strand lanes overlap
-            source += (f": not faster than the block plan's {plan.planned_ms:.2f} ms a pair, "
-                       "SI blocks run in blocks")
+            source += ": not faster, SI blocks run in blocks"
             streamed = None
         elif schedule.within_budget is False:
             log.warning("--dhelix-streamed: no streamed sequence fits the memory bound; running "
