@@ -9,11 +9,12 @@ collective in flight during computation is stretched, and a schedule that overla
 communication with computation loses part of what it hides. `CommThreadPriority` gives
 every gloo thread of the run's processes SCHED_FIFO priority, so it runs as soon as it is
 runnable, as a NIC would. The emulated GPU's host threads (named by
-`dhelix.cluster.host_threads`: the rank's kernel-issuing thread and its collective
-issue) get the same priority, as a GPU node's host threads have cores of their own; they are
-never pinned to communication cores. With a core placement (`dhelix.cluster.cores`) the same scan
-also moves each node's gloo threads onto that node's communication cores, so the CPU they
-use no longer comes out of the computation's cores; without one (a 2-core host) it does.
+`dhelix.cluster.host_threads`: the rank's kernel-issuing thread and its collective issue)
+get the same priority, as a GPU node's host threads have cores of their own; they are never
+pinned to communication cores. With a core placement (`dhelix.cluster.cores`) the same
+scan also moves each node's gloo threads onto that node's communication cores, so the CPU
+they use no longer comes out of the computation's cores; without one (a 2-core host) it
+does.
 
 Measured on the 2-core development machine (docs/emulated_cluster.md, "Communication
 threads"): with it, steps of every system got 9-18% shorter in configurations (a) and (a2)

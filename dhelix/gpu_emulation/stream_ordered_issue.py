@@ -41,8 +41,8 @@ import time
 from torch._C._distributed_c10d import Work
 
 from dhelix.c10d_ops import process_group_of, unboxed_work
-from dhelix.gpu_emulation.aten_costs import namespace, op_name
 from dhelix.cluster.host_threads import ISSUE_THREAD_NAME, name_current_thread
+from dhelix.gpu_emulation.aten_costs import namespace, op_name
 
 # c10d operators whose results are (their first argument, Work) or a Work alone
 _DEFERRABLE = frozenset({

@@ -165,18 +165,26 @@ def test_a_strand_alone_computes_while_its_collective_is_in_flight():
     assert strand_alone_ms(["g"], fwd.by_id(), costs, "fwd", bwd.by_id()) == pytest.approx(4.0)
 
 
+def _collective_beside_a_chain(chain, solo, pairs):
+    """Costs of a forward all-reduce "c" (cost key "ar") and a backward chain of
+    computations `chain` [(op id, cost key, class)], from `solo` and `pairs` (ms)."""
+    fwd = _one_op("fwd", "c", "inter", "ar")
+    ops, previous = [], ()
+    for op_id, key, kind in chain:
+        ops.append(OpNode(op_id, "comp", "compute", previous, key, False, kind))
+        previous = (op_id,)
+    return build_cost_model(fwd, OpDAG("bwd", ops), _profile(solo, pairs))
+
+
 def test_a_collectives_slowdown_is_not_carried_by_one_noisy_pair():
     """`collective_sigma`: the median over the other strand's computations, so one pair of
     a tiny operator measured far off (sigma 2 - OEF with OEF -50) does not set it."""
     from planner.cosched import collective_sigma
 
-    fwd = _one_op("fwd", "c", "inter", "ar")
-    bwd = OpDAG("bwd", [OpNode("g1", "comp", "compute", (), "gemm", False, "gemm"),
-                        OpNode("g2", "comp", "compute", ("g1",), "wgrad", False, "gemm"),
-                        OpNode("t", "comp", "compute", ("g2",), "tiny", False, "x")])
-    costs = build_cost_model(fwd, bwd, _profile(
+    costs = _collective_beside_a_chain(
+        [("g1", "gemm", "gemm"), ("g2", "wgrad", "gemm"), ("t", "tiny", "x")],
         {"ar": 4.0, "gemm": 4.0, "wgrad": 4.0, "tiny": 0.1},
-        {"ar|gemm": 6.0, "ar|wgrad": 6.0, "ar|tiny": 9.1}))
+        {"ar|gemm": 6.0, "ar|wgrad": 6.0, "ar|tiny": 9.1})
     assert costs.sigma[("c", "t")] > 50 and costs.sigma[("c", "g1")] == pytest.approx(1.5)
     assert collective_sigma(costs, "c", "fwd", ["g1", "g2", "t"]) == pytest.approx(1.5)
 
@@ -187,13 +195,10 @@ def test_a_collectives_slowdown_comes_from_computations_as_long_as_it():
     whatever their slowdown); the 8 ms GEMM's pair (9 ms) shows sigma 1.25."""
     from planner.cosched import collective_sigma
 
-    fwd = _one_op("fwd", "c", "inter", "ar")
-    bwd = OpDAG("bwd", [OpNode("g", "comp", "compute", (), "gemm", False, "gemm"),
-                        OpNode("n1", "comp", "compute", ("g",), "norm1", False, "norm"),
-                        OpNode("n2", "comp", "compute", ("n1",), "norm2", False, "norm")])
-    costs = build_cost_model(fwd, bwd, _profile(
+    costs = _collective_beside_a_chain(
+        [("g", "gemm", "gemm"), ("n1", "norm1", "norm"), ("n2", "norm2", "norm")],
         {"ar": 4.0, "gemm": 8.0, "norm1": 1.0, "norm2": 1.0},
-        {"ar|gemm": 9.0, "ar|norm1": 4.0, "ar|norm2": 4.0}))
+        {"ar|gemm": 9.0, "ar|norm1": 4.0, "ar|norm2": 4.0})
     assert costs.sigma[("c", "n1")] == pytest.approx(1.0)
     assert collective_sigma(costs, "c", "fwd", ["g", "n1", "n2"]) == pytest.approx(1.25)
     # no computation as long as the collective: the median over all of them
