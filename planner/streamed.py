@@ -281,18 +281,20 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
     for pattern in patterns:
         for f in fwd_orders:
             for b in bwd_orders:
-                # with a bound, the steered sequence and the free one (which the greedy
-                # steering need not beat where it fits)
-                for steer in ((True, False) if memory is not None else (True,)):
-                    ms, sequence, peak = simulate_streamed(model, f, b, pattern, pairs,
-                                                           memory, steer)
-                    searched += 1
+                # the free sequence and, where it peaks above a bound, the steered one
+                # (where the free one fits, steering changes no decision: the same sequence)
+                free = simulate_streamed(model, f, b, pattern, pairs, memory, steer=False)
+                runs = [free]
+                if budget is not None and free[2] > budget:
+                    runs.insert(0, simulate_streamed(model, f, b, pattern, pairs, memory))
+                searched += len(runs)
+                for ms, sequence, peak in runs:
                     # within the budget first, then faster; outside it, smaller peak first
                     key = (0, ms) if budget is None or peak <= budget else (1, peak)
                     if best is None or key < best[0]:
                         best = (key, ms, f, b, pattern, sequence, peak)
-                    if not steer and (fastest is None or ms < fastest[0]):
-                        fastest = (ms, peak)  # what the bound costs
+                if fastest is None or free[0] < fastest[0]:
+                    fastest = free[0], free[2]  # what the bound costs
     _, ms, f, b, pattern, sequence, peak = best
     bounded = memory is not None
     return StreamedSchedule(fwd_order=f, bwd_order=b, lane_pattern=tuple(pattern),
