@@ -103,7 +103,10 @@ def _plan_costs(run) -> dict:
     schedule's simulated time a layer pair (`planner.streamed`) and there are no seams. With a
     seam between layer pairs (`planner.blocks.layer_seam`): how much each seam
     saves by the block model (the head's and tail's blocks against the seam block) and how
-    many a step has ((m - 1) x (layers - 1) without pipelining)."""
+    many a step has ((m - 1) x (layers - 1) without pipelining). With the cost model and
+    without pipelining, also `layer_comm_ms` (the solo times of one layer's forward and
+    backward collectives, summed) and `layers_per_step` (m x layers): the layers'
+    communication a step carries, which the report's overlap floor charges."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from dhelix.runtime.setup import si_block_pairs
@@ -112,12 +115,13 @@ def _plan_costs(run) -> dict:
 
     setup, args = run.dhelix, run.args
     plan, seam = setup.plan, setup.runner.seam
-    pairs = seams = None
+    pairs = seams = layer_runs = None
     if args.pipeline_model_parallel_size == 1:
         with run.active():
             microbatches = get_num_microbatches()
         layers = len(setup.runner.bound_layers)
         pairs = (microbatches - 1) * layers
+        layer_runs = microbatches * layers
         seams = (microbatches - 1) * (layers - 1) if seam is not None else 0
     planned = plan.planned_ms
     streamed = setup.runner.streamed
@@ -137,6 +141,13 @@ def _plan_costs(run) -> dict:
     out["sequential_executed_ms"] = (
         strand_alone_ms(sequential.fwd_order, fwd, setup.costs, "fwd", bwd)
         + strand_alone_ms(sequential.bwd_order, bwd, setup.costs, "bwd", fwd))
+    same_layers = all(set(layer.programs.dags()["fwd"].by_id()) == set(fwd)
+                      for layer in setup.runner.bound_layers)
+    if layer_runs is not None and same_layers:  # a mixed stack's layers differ: not summed
+        out["layers_per_step"] = layer_runs
+        out["layer_comm_ms"] = (
+            sum(setup.costs.solo_f[o] for o, node in fwd.items() if node.kind == "comm")
+            + sum(setup.costs.solo_b[o] for o, node in bwd.items() if node.kind == "comm"))
     if seam is not None:
         apart = sum(b.predicted_ms for b in plan.blocks[:seam.head]) + sum(
             b.predicted_ms for b in plan.blocks[len(plan.blocks) - seam.tail:])

@@ -43,11 +43,13 @@ DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-h
                  "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1000"]
 # --quick profiles a handful of pairs once: enough to exercise the path, not to plan well.
 QUICK_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "1", "--max-pairs", "8"]
-# under the GPU emulation every pass takes a layer's modelled time x S: three timed passes,
-# medians kept (with one pass, single outliers of the shared link and cores reached the plan:
-# an RMSNorm next to an all-reduce measured 248 ms against 96 ms for the all-reduce alone at
-# S = 50, OEF -50, and wrecked the plan's collective slowdowns)
-EMULATED_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "3"]
+# under the GPU emulation every pass takes a layer's modelled time x S: five timed passes,
+# medians kept (with three, two runs' profiles of the same configuration led to plans
+# simulated 439 and 457 ms a layer pair, realised 1.28x and 1.24x; with one pass, single
+# outliers of the shared link and cores reached the plan: an RMSNorm next to an all-reduce
+# measured 248 ms against 96 ms for the all-reduce alone at S = 50, OEF -50, and wrecked the
+# plan's collective slowdowns)
+EMULATED_PROFILE_OPTIONS = ["--warmup", "0", "--repeats", "5"]
 # the tiny model (configs/tiny.json) with a global batch of 4
 QUICK_MODEL = [*tiny_model(global_batch_size=4), "--train-iters", "1000"]
 # --gpu-emulation's default, the compute-rich configuration (docs/benchmark.md, "Emulated GPU

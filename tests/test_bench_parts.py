@@ -279,3 +279,31 @@ def test_unknown_system_is_refused_before_anything_runs(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 2
     assert "--systems: unknown ['dhelix_turbo']" in capsys.readouterr().err
     assert not (tmp_path / "raw").exists()  # nothing launched, nothing written
+
+
+def test_overlap_floor_under_the_gpu_emulation():
+    """With the emulation's overlap slowdown s, no schedule gets under the comm-free step +
+    C x s / (1 + s), C the layers' collectives' solo time a step; without the emulation or
+    without the plan's layer costs there is no such floor."""
+    raw = _raw()
+    assert summarise_config(raw)["overlap_floor"] is None  # not emulated
+    emulated = {**raw, "gpu_emulation": {"overlap_slowdown": 0.25, "time_scale": 50}}
+    assert summarise_config(emulated)["overlap_floor"] is None  # no plan costs
+    for rank in raw["ranks"]:  # 8 micro-batches x 3 layers, 20 ms of collectives each
+        rank["plan_costs"] = {"wavelet": None,
+                              "dhelix": {"sequential_ms": 50.0, "planned_ms": 40.0,
+                                         "paired_layers_per_step": 21, "layers_per_step": 24,
+                                         "layer_comm_ms": 20.0}}
+    summary = summarise_config(emulated)
+    t_meg, t_free = 4.1 * 1.01, 3.0 * 1.01
+    floor = summary["overlap_floor"]
+    assert floor["layer_comm_s"] == pytest.approx(0.48)
+    assert floor["floor_s"] == pytest.approx(t_free + 0.48 * 0.2)  # s / (1 + s) = 0.2
+    assert floor["best_share"] == pytest.approx((t_meg - floor["floor_s"]) / (t_meg - t_free))
+    assert summarise_config(raw)["overlap_floor"] is None  # the costs alone: not emulated
+    from dhelix.bench.report import _overlap_floor_lines
+
+    line = _overlap_floor_lines(floor)[0]
+    assert "take 480 ms a step alone" in line and "25% slower" in line
+    assert f"0.200 x that = {floor['floor_s'] * 1e3:.0f} ms" in line
+    assert f"at most {floor['best_share']:.0%} of the achievable gain" in line

@@ -53,6 +53,7 @@ def summarise_config(raw: dict) -> dict:
     bound = _achievable_bound(link_floor, t_free, _cpu_accounting(ranks, "megatron"),
                               len(ranks), raw.get("host_cores"))
     reachable = (t_meg - bound["bound_s"]) if bound and t_meg else None
+    overlap_floor = _overlap_floor(ranks, raw.get("gpu_emulation"), t_meg, t_free, reachable)
     rows = []
     for name, run in raw["runs"].items():
         row = {"system": name, "label": run["label"], "timing_only": run["timing_only"],
@@ -81,7 +82,32 @@ def summarise_config(raw: dict) -> dict:
     return {"config": raw["config"], "rows": rows,
             "comm_share_of_megatron": (exposed / t_meg) if exposed is not None and t_meg
             else None,
-            "link_floor": link_floor, "achievable_bound": bound}
+            "link_floor": link_floor, "achievable_bound": bound, "overlap_floor": overlap_floor}
+
+
+def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
+                   t_free: float | None, reachable: float | None) -> dict | None:
+    """Under the GPU emulation, the step no schedule of the same layers gets under once the
+    emulation's overlap slowdown s is counted: {"floor_s", "layer_comm_s", "slowdown",
+    "best_share"}. The layers' collectives take C a step alone (`layer_comm_ms` x
+    `layers_per_step` of a plan's costs: the profile's solo times); a collective's time
+    either runs beside computation, which then progresses at 1/(1 + s), or leaves the
+    computation idle, so a step of computation W carrying them takes at least
+    W + C x s/(1 + s), W being the comm-free step. best_share: that floor's share of the
+    achievable gain (the most any schedule reaches). None without the emulation, the
+    comm-free row or a plan with those costs (pipelining, mixed stacks)."""
+    if not emulation or t_free is None or not ranks:
+        return None
+    costs = [c for c in ranks[0].get("plan_costs", {}).values()
+             if c and c.get("layer_comm_ms") and c.get("layers_per_step")]
+    if not costs:
+        return None
+    slowdown = emulation["overlap_slowdown"]
+    layer_comm_s = costs[0]["layer_comm_ms"] * costs[0]["layers_per_step"] / 1e3
+    floor = t_free + layer_comm_s * slowdown / (1 + slowdown)
+    return {"floor_s": floor, "layer_comm_s": layer_comm_s, "slowdown": slowdown,
+            "best_share": ((t_meg - floor) / reachable if t_meg and reachable and reachable > 0
+                           else None)}
 
 
 def _achievable_bound(link_floor: dict | None, t_free: float | None, megatron_cpu: dict | None,
@@ -261,6 +287,7 @@ def markdown(results: dict) -> str:
         lines += _cpu_table(entry["summary"]["rows"])
         lines += _link_floor_lines(entry["summary"].get("link_floor"))
         lines += _bound_lines(entry["summary"].get("achievable_bound"))
+        lines += _overlap_floor_lines(entry["summary"].get("overlap_floor"))
     return "\n".join(lines)
 
 
@@ -275,6 +302,20 @@ def _bound_lines(bound: dict | None) -> list:
     return [f"Achievable gain: T_bound = {bound['bound_s'] * 1e3:.0f} ms (the {bound['by']}; "
             f"{floors}); share of achievable gain = (T_megatron - T_x) / (T_megatron - "
             "T_bound).", ""]
+
+
+def _overlap_floor_lines(floor: dict | None) -> list:
+    """One line: the emulated step no schedule gets under with the overlap slowdown counted
+    (`_overlap_floor`), and the share of the achievable gain it leaves."""
+    if not floor:
+        return []
+    return [f"Overlap floor (emulated GPU): the layers' collectives take "
+            f"{floor['layer_comm_s'] * 1e3:.0f} ms a step alone (the plan's profile); "
+            f"computation beside one in flight runs {floor['slowdown']:.0%} slower, so no "
+            "schedule of these layers gets under the comm-free step + "
+            f"{floor['slowdown'] / (1 + floor['slowdown']):.3f} x that = "
+            f"{floor['floor_s'] * 1e3:.0f} ms: at most "
+            f"{_fmt(floor['best_share'], '{:.0%}')} of the achievable gain.", ""]
 
 
 def _timeline_table(rows: list) -> list:
