@@ -109,3 +109,8 @@ def test_bench_body_runs_every_system_under_the_emulation():
         # run in two, on top of 2.83 ms; the measured steps then agree within 1%)
         assert min(modelled["sequential"][1:]) == pytest.approx(min(modelled["megatron"][1:]),
                                                                 rel=0.05)
+        # the layers' communication the report's overlap floor charges: 2 micro-batches x
+        # 2 layers, each with its collectives' solo times (analytic costs here)
+        costs = r["plan_costs"]["dhelix"]
+        assert costs["layers_per_step"] == 4 and costs["paired_layers_per_step"] == 2
+        assert costs["layer_comm_ms"] > 0
