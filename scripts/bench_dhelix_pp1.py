@@ -105,8 +105,9 @@ def _plan_costs(run) -> dict:
     saves by the block model (the head's and tail's blocks against the seam block) and how
     many a step has ((m - 1) x (layers - 1) without pipelining). With the cost model and
     without pipelining, also `layer_comm_ms` (the solo times of one layer's forward and
-    backward collectives, summed) and `layers_per_step` (m x layers): the layers'
-    communication a step carries, which the report's overlap floor charges."""
+    backward collectives, summed), `layers_per_step` (m x layers) and `costs_source`
+    ("profile" or "analytic"): the layers' communication a step carries, which the
+    report's overlap floor charges where the times were measured."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from dhelix.runtime.setup import si_block_pairs
@@ -145,6 +146,7 @@ def _plan_costs(run) -> dict:
                       for layer in setup.runner.bound_layers)
     if layer_runs is not None and same_layers:  # a mixed stack's layers differ: not summed
         out["layers_per_step"] = layer_runs
+        out["costs_source"] = setup.costs.source
         out["layer_comm_ms"] = (
             sum(setup.costs.solo_f[o] for o, node in fwd.items() if node.kind == "comm")
             + sum(setup.costs.solo_b[o] for o, node in bwd.items() if node.kind == "comm"))

@@ -293,7 +293,10 @@ def test_overlap_floor_under_the_gpu_emulation():
         rank["plan_costs"] = {"wavelet": None,
                               "dhelix": {"sequential_ms": 50.0, "planned_ms": 40.0,
                                          "paired_layers_per_step": 21, "layers_per_step": 24,
-                                         "layer_comm_ms": 20.0}}
+                                         "layer_comm_ms": 20.0, "costs_source": "analytic"}}
+    assert summarise_config(emulated)["overlap_floor"] is None  # analytic: not the cluster's
+    for rank in raw["ranks"]:
+        rank["plan_costs"]["dhelix"]["costs_source"] = "profile"
     summary = summarise_config(emulated)
     t_meg, t_free = 4.1 * 1.01, 3.0 * 1.01
     floor = summary["overlap_floor"]

@@ -90,16 +90,18 @@ def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
     """Under the GPU emulation, the step no schedule of the same layers gets under once the
     emulation's overlap slowdown s is counted: {"floor_s", "layer_comm_s", "slowdown",
     "best_share"}. The layers' collectives take C a step alone (`layer_comm_ms` x
-    `layers_per_step` of a plan's costs: the profile's solo times); a collective's time
-    either runs beside computation, which then progresses at 1/(1 + s), or leaves the
-    computation idle, so a step of computation W carrying them takes at least
+    `layers_per_step` of the costs of a plan from a profile: measured solo times); a
+    collective's time either runs beside computation, which then progresses at 1/(1 + s),
+    or leaves the computation idle, so a step of computation W carrying them takes at least
     W + C x s/(1 + s), W being the comm-free step. best_share: that floor's share of the
     achievable gain (the most any schedule reaches). None without the emulation, the
-    comm-free row or a plan with those costs (pipelining, mixed stacks)."""
+    comm-free row or a plan from a profile with those costs (pipelining, mixed stacks;
+    analytic costs do not describe the cluster)."""
     if not emulation or t_free is None or not ranks:
         return None
     costs = [c for c in ranks[0].get("plan_costs", {}).values()
-             if c and c.get("layer_comm_ms") and c.get("layers_per_step")]
+             if c and c.get("layer_comm_ms") and c.get("layers_per_step")
+             and c.get("costs_source") == "profile"]
     if not costs:
         return None
     slowdown = emulation["overlap_slowdown"]

@@ -113,4 +113,4 @@ def test_bench_body_runs_every_system_under_the_emulation():
         # 2 layers, each with its collectives' solo times (analytic costs here)
         costs = r["plan_costs"]["dhelix"]
         assert costs["layers_per_step"] == 4 and costs["paired_layers_per_step"] == 2
-        assert costs["layer_comm_ms"] > 0
+        assert costs["layer_comm_ms"] > 0 and costs["costs_source"] == "analytic"
