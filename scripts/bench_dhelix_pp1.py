@@ -212,10 +212,11 @@ class _Calls:
     `dhelix.gpu_emulation.emulated_run.GpuEmulation`'s fields) under the GPU emulation
     (`emulated_run.emulated_call` on the run's model chunks), recording each call's
     modelled kernel ms and the ms its emulated stream sat empty between kernels
-    (`EmulationReport.stream_idle_s`) per system."""
+    (`EmulationReport.stream_idle_s`) per system. The calls share one record of the
+    collectives' durations (`collective_clock.CollectiveDurations`)."""
 
     def __init__(self, emulation: dict | None):
-        self.emulation = self.model = None
+        self.emulation = self.model = self.durations = None
         self.modelled_ms: dict = {}
         self.stream_idle_ms: dict = {}
         self.step_terms: dict = {}
@@ -223,8 +224,11 @@ class _Calls:
             from dhelix.gpu_emulation.emulated_run import GpuEmulation
             from dhelix.gpu_emulation.options import mark_process
 
+            from dhelix.gpu_emulation.collective_clock import CollectiveDurations
+
             self.emulation = GpuEmulation(**emulation)
             self.model = self.emulation.kernel_model()
+            self.durations = CollectiveDurations()
             # a --dhelix-profile taken on the emulated GPU fits these ranks, not a real run
             mark_process(self.emulation.profile, self.emulation.time_scale)
 
@@ -251,7 +255,8 @@ class _Calls:
             return fn()
         from dhelix.gpu_emulation.emulated_run import emulated_call
 
-        with emulated_call(run.model, self.model, self.emulation.config()) as mode:
+        with emulated_call(run.model, self.model, self.emulation.config(),
+                           self.durations) as mode:
             out = fn()
         report = mode.report()
         self.modelled_ms.setdefault(name, []).append(report.modelled_ms)

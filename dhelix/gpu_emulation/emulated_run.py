@@ -22,6 +22,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from dhelix.cluster.host_threads import MAIN_THREAD_NAME, name_current_thread
+from dhelix.gpu_emulation.collective_clock import CollectiveDurations
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 from dhelix.gpu_emulation.mode import H100_OVERLAP_SLOWDOWN, EmulationConfig, GpuEmulationMode
 
@@ -79,16 +80,18 @@ def emulated_link_rate(bits_per_s: int, time_scale: float) -> int:
 
 
 @contextmanager
-def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig):
+def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig,
+                  durations: CollectiveDurations | None = None):
     """Open the core-attention and fused-norm regions of every module in `chunks` (a model
-    chunk or a list of them) and a new `GpuEmulationMode(model, config)`; yields the mode.
-    Leaving drains the emulated stream (the host waits for the last kernel). The calling
-    thread is named the emulated GPU's host thread (`host_threads`)."""
+    chunk or a list of them) and a new `GpuEmulationMode(model, config, durations)`; yields
+    the mode. Leaving drains the emulated stream (the host waits for the last kernel). The
+    calling thread is named the emulated GPU's host thread (`host_threads`). Pass the
+    process's `durations` to every call so the modes forecast collectives from the start."""
     from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions
 
     chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
     name_current_thread(MAIN_THREAD_NAME)  # the emulated GPU's host thread (host_threads)
-    mode = GpuEmulationMode(model, config)
+    mode = GpuEmulationMode(model, config, durations)
     with ExitStack() as stack:
         for chunk in chunks:
             stack.enter_context(attention_regions(chunk))
@@ -105,6 +108,7 @@ class EmulatedCalls:
 
     def __init__(self, chunks, model: KernelTimeModel, config: EmulationConfig):
         self.chunks, self.model, self.config = chunks, model, config
+        self.durations = CollectiveDurations()  # shared by the calls' modes
         self._mode: GpuEmulationMode | None = None
 
     @contextmanager
@@ -112,7 +116,7 @@ class EmulatedCalls:
         """One call under a fresh mode (its regions opened); leaving drains its stream."""
         if self._mode is not None:
             raise RuntimeError("error: EmulatedCalls.running() entered inside a running call")
-        with emulated_call(self.chunks, self.model, self.config) as mode:
+        with emulated_call(self.chunks, self.model, self.config, self.durations) as mode:
             self._mode = mode
             try:
                 yield mode

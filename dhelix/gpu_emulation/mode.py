@@ -56,6 +56,8 @@ from dhelix.c10d_ops import process_group_of, unboxed_work, work_handles
 from dhelix.gpu_emulation.aten_costs import (
     classify, is_communication, is_fill_factory, is_host_sync, is_inplace, kernel_ms,
     moved_bytes, op_name)
+from dhelix.gpu_emulation.collective_clock import (
+    CollectiveDurations, InFlightCollective, collective_kind, slowed_kernel_s)
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 from dhelix.gpu_emulation.stream_ordered_issue import StreamOrderedIssuer, deferrable
 
@@ -140,14 +142,18 @@ def _meta(value):
 
 class GpuEmulationMode(TorchDispatchMode):
     """See the module docstring. `report()` at any time; `synchronize()` drains the stream.
-    `emulates_gpu` marks it for `dhelix.devices.gpu_emulated`."""
+    `emulates_gpu` marks it for `dhelix.devices.gpu_emulated`. `durations`: the
+    collective durations observed so far, shared by the modes of one process (a fresh
+    record when None)."""
 
     emulates_gpu = True
 
-    def __init__(self, model: KernelTimeModel, config: EmulationConfig = EmulationConfig()):
+    def __init__(self, model: KernelTimeModel, config: EmulationConfig = EmulationConfig(),
+                 durations: CollectiveDurations | None = None):
         super().__init__()
         self.model = model
         self.config = config
+        self.durations = durations if durations is not None else CollectiveDurations()
         self._stream_end = 0.0
         self._in_flight: list = []
         self._terms: dict = {}
@@ -171,18 +177,45 @@ class GpuEmulationMode(TorchDispatchMode):
         self._issuer.flush()
         self._slept += time.perf_counter() - start
 
+    def _busy_until(self, now: float) -> float | None:
+        """Drop the completed collectives (noting their durations); when the ones still in
+        flight are expected to end (perf_counter s, `now` at the latest for one already
+        late), None when one is of a kind never observed, `now` when none is in flight."""
+        still, busy_until, unknown = [], now, False
+        for record in self._in_flight:
+            if record.work.is_completed():
+                self.durations.observe(record, now)
+                continue
+            still.append(record)
+            end = self.durations.expected_end(record)
+            unknown = unknown or end is None
+            busy_until = busy_until if end is None else max(busy_until, end)
+        self._in_flight = still
+        return None if unknown else busy_until
+
     def _charge(self, term: str, name: str, ms: float, nbytes: float = 0.0) -> None:
-        self._in_flight = [w for w in self._in_flight if not w.is_completed()]
-        slowed = bool(self._in_flight)
-        if slowed:
-            ms *= 1.0 + self.config.overlap_slowdown
         now = time.perf_counter()
+        start = max(now, self._stream_end)
+        base_s = ms * self.config.time_scale / 1000.0
+        busy_until = self._busy_until(now)
+        seconds = slowed_kernel_s(base_s, start, busy_until, self.config.overlap_slowdown)
+        slowed = seconds > base_s
+        ms = seconds * 1000.0 / self.config.time_scale
         if self._stream_end and now > self._stream_end:
             self._stream_idle += now - self._stream_end
-        self._stream_end = max(now, self._stream_end) + ms * self.config.time_scale / 1000.0
+        self._stream_end = start + seconds
         for table, key in ((self._terms, term), (self._ops, name)):
             count, total, n_slowed, moved = table.get(key, (0, 0.0, 0, 0.0))
             table[key] = (count + 1, total + ms, n_slowed + slowed, moved + nbytes)
+
+    def _group_expected_end(self, group) -> float:
+        """When the collectives in flight on `group` should end (0.0 when none is, or when
+        one's kind was never observed): a collective issued behind them starts then, one
+        communicator running one collective at a time."""
+        ends = [self.durations.expected_end(r) for r in self._in_flight
+                if r.kind[1] is not None and r.kind[1] == group
+                and not r.work.is_completed()]
+        return max((e for e in ends if e is not None), default=0.0)
 
     # -- regions ------------------------------------------------------------------------
     def enter_region(self, term: str, ms: float) -> None:
@@ -231,19 +264,25 @@ class GpuEmulationMode(TorchDispatchMode):
         if is_communication(func):
             self._collectives += 1
             group = process_group_of(args) if deferrable(func) else None
+            kind = collective_kind(op_name(func), group, sum(
+                t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)))
             if (self.config.stream_ordered_collectives and deferrable(func)
                     and not _get_current_dispatch_mode_stack()
                     and (self._issuer.pending or self._stream_end > time.perf_counter()
                          or self._issuer.busy(group))):
                 self._deferred += 1
+                start = max(self._stream_end, self._group_expected_end(group))
                 result = self._issuer.submit(self._stream_end, func, args, kwargs)
-                self._in_flight += [unboxed_work(w) for w in work_handles(result)]
+                self._in_flight += [InFlightCollective(unboxed_work(w), start, kind)
+                                    for w in work_handles(result)]
                 return result
             self.synchronize()
+            start = time.perf_counter()
             result = func(*args, **kwargs)
             if op_name(func) not in POINT_TO_POINT:
                 handles = [unboxed_work(w) for w in work_handles(result)]
-                self._in_flight += handles
+                self._in_flight += [InFlightCollective(h, start, kind) for h in handles]
                 if group is not None and handles:
                     self._issuer.note_issued(group, handles[-1])
             return result
