@@ -15,8 +15,10 @@ gradient buffers of a model built under the mode stay untouched pages too). An o
 meta cannot run (data-dependent output shape) also runs for real, and is charged.
 
 Time: the mode keeps a stream clock like a CUDA stream. A kernel starts at max(now, the end
-of the previous kernel) and ends `modelled ms x time_scale` later (x (1 + overlap_slowdown)
-while an async collective issued under the mode is still in flight; a point-to-point send
+of the previous kernel) and ends `modelled ms x time_scale` later, progressing at
+1 / (1 + overlap_slowdown) for the part of it an async collective issued under the mode is
+forecast to run beside (`collective_clock`: the collective's stream start plus the shortest
+duration seen for its kind; a kind never seen slows the whole kernel; a point-to-point send
 or receive does not count: a pipeline's isend stays in flight until its receiver takes it,
 mostly without moving bytes); the host runs ahead without waiting. A collective starts when
 the stream reaches it (its inputs must be computed: c10d and functional collectives are
