@@ -236,6 +236,7 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
 
     raw = {"config": config.name, "ranks": ranks, "host_cores": len(host_cores()),
            "tokens_per_step": _tokens_per_step(base, config.world_size),
+           "gpu_emulation": emulation,
            "runs": {name: {"label": run.label, "unavailable": run.unavailable,
                            "timing_only": run.system.timing_only, "args": run.args}
                     for name, run in runs.items()}}
