@@ -285,6 +285,8 @@ def test_overlap_floor_under_the_gpu_emulation():
     """With the emulation's overlap slowdown s, no schedule gets under the comm-free step +
     C x s / (1 + s), C the layers' collectives' solo time a step; without the emulation or
     without the plan's layer costs there is no such floor."""
+    from dhelix.bench.report import _overlap_floor_lines
+
     raw = _raw()
     assert summarise_config(raw)["overlap_floor"] is None  # not emulated
     emulated = {**raw, "gpu_emulation": {"overlap_slowdown": 0.25, "time_scale": 50}}
@@ -304,7 +306,13 @@ def test_overlap_floor_under_the_gpu_emulation():
     assert floor["floor_s"] == pytest.approx(t_free + 0.48 * 0.2)  # s / (1 + s) = 0.2
     assert floor["best_share"] == pytest.approx((t_meg - floor["floor_s"]) / (t_meg - t_free))
     assert summarise_config(raw)["overlap_floor"] is None  # the costs alone: not emulated
-    from dhelix.bench.report import _overlap_floor_lines
+    # a floor under T_bound (here the link floor, 3.5 s, binds) leaves no share to report
+    for rank in raw["ranks"]:
+        rank["link_floor"]["one_at_a_time_s"] = rank["link_floor"]["all_at_once_s"] = [3.5] * 3
+    link_bound = summarise_config(emulated)["overlap_floor"]
+    assert link_bound["floor_s"] == pytest.approx(floor["floor_s"])
+    assert link_bound["best_share"] is None
+    assert "not above T_bound" in _overlap_floor_lines(link_bound)[0]
 
     line = _overlap_floor_lines(floor)[0]
     assert "take 480 ms a step alone" in line and "25% slower" in line

@@ -94,7 +94,8 @@ def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
     collective's time either runs beside computation, which then progresses at 1/(1 + s),
     or leaves the computation idle, so a step of computation W carrying them takes at least
     W + C x s/(1 + s), W being the comm-free step. best_share: that floor's share of the
-    achievable gain (the most any schedule reaches). None without the emulation, the
+    achievable gain (the most any schedule reaches), None where the floor is not above
+    T_bound (another floor binds: a link-bound step). None without the emulation, the
     comm-free row or a plan from a profile with those costs (pipelining, mixed stacks;
     analytic costs do not describe the cluster)."""
     if not emulation or t_free is None or not ranks:
@@ -107,9 +108,9 @@ def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
     slowdown = emulation["overlap_slowdown"]
     layer_comm_s = costs[0]["layer_comm_ms"] * costs[0]["layers_per_step"] / 1e3
     floor = t_free + layer_comm_s * slowdown / (1 + slowdown)
+    binds = bool(t_meg and reachable and reachable > 0 and floor > t_meg - reachable)
     return {"floor_s": floor, "layer_comm_s": layer_comm_s, "slowdown": slowdown,
-            "best_share": ((t_meg - floor) / reachable if t_meg and reachable and reachable > 0
-                           else None)}
+            "best_share": (t_meg - floor) / reachable if binds else None}
 
 
 def _achievable_bound(link_floor: dict | None, t_free: float | None, megatron_cpu: dict | None,
@@ -316,8 +317,10 @@ def _overlap_floor_lines(floor: dict | None) -> list:
             f"computation beside one in flight runs {floor['slowdown']:.0%} slower, so no "
             "schedule of these layers gets under the comm-free step + "
             f"{floor['slowdown'] / (1 + floor['slowdown']):.3f} x that = "
-            f"{floor['floor_s'] * 1e3:.0f} ms: at most "
-            f"{_fmt(floor['best_share'], '{:.0%}')} of the achievable gain.", ""]
+            f"{floor['floor_s'] * 1e3:.0f} ms"
+            + (f": at most {floor['best_share']:.0%} of the achievable gain."
+               if floor["best_share"] is not None
+               else ", not above T_bound (it does not bind here)."), ""]
 
 
 def _timeline_table(rows: list) -> list:
