@@ -12,7 +12,9 @@ part slowed.
 Guarantees: a collective of a kind never observed counts as lasting until the kernel ends
 (the whole kernel is slowed, as without a forecast); an observation is taken when the
 host first sees the collective completed (at a later charge), so it is at least its real
-duration, and the shortest one is kept. No tensor is held: a record keeps the Work handle
+duration, and the shortest one is kept (a forecast, not a measurement: a collective that
+runs longer than the shortest of its kind slows kernels only until its forecast end, so
+its jitter is not charged). No tensor is held: a record keeps the Work handle
 (which the caller's Work already holds) and plain numbers. Host-side only, any device.
 """
 
