@@ -217,13 +217,20 @@ def test_plan_for_another_layout_is_rejected(tp2):
 
 def _train_one_rank(cwd: Path, megatron_args: list) -> subprocess.CompletedProcess:
     """`python -m dhelix.megatron_lm scripts/pretrain_gpt.py ARGS` as torchrun starts a
-    world of one rank."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="")
-    env.pop("DHELIX_ERROR_FILE", None)  # the error line goes to stderr
-    return subprocess.run([sys.executable, "-m", "dhelix.megatron_lm", SCRIPT, *megatron_args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    world of one rank. This runs in the background beside other tests' ranks, so the free
+    port it picked can be taken before its store binds it (EADDRINUSE, seen once in a
+    clean-clone CI run): then it runs again on a new port, up to three times."""
+    for _ in range(3):
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        env.pop("DHELIX_ERROR_FILE", None)  # the error line goes to stderr
+        done = subprocess.run(
+            [sys.executable, "-m", "dhelix.megatron_lm", SCRIPT, *megatron_args], cwd=cwd,
+            env=env, capture_output=True, text=True, timeout=180)
+        if "EADDRINUSE" not in done.stderr:
+            break
+    return done
 
 
 def _advice_flow(directory: Path) -> dict:
