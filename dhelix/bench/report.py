@@ -53,7 +53,8 @@ def summarise_config(raw: dict) -> dict:
     bound = _achievable_bound(link_floor, t_free, _cpu_accounting(ranks, "megatron"),
                               len(ranks), raw.get("host_cores"))
     reachable = (t_meg - bound["bound_s"]) if bound and t_meg else None
-    overlap_floor = _overlap_floor(ranks, raw.get("gpu_emulation"), t_meg, t_free, reachable)
+    overlap_floor = _overlap_floor(ranks, raw.get("gpu_emulation"), t_meg, t_free,
+                                   bound and bound["bound_s"])
     rows = []
     for name, run in raw["runs"].items():
         row = {"system": name, "label": run["label"], "timing_only": run["timing_only"],
@@ -86,7 +87,7 @@ def summarise_config(raw: dict) -> dict:
 
 
 def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
-                   t_free: float | None, reachable: float | None) -> dict | None:
+                   t_free: float | None, bound_s: float | None) -> dict | None:
     """Under the GPU emulation, the step no schedule of the same layers gets under once the
     emulation's overlap slowdown s is counted: {"floor_s", "layer_comm_s", "slowdown",
     "best_share"}. The layers' collectives take C a step alone (`layer_comm_ms` x
@@ -108,9 +109,9 @@ def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
     slowdown = emulation["overlap_slowdown"]
     layer_comm_s = costs[0]["layer_comm_ms"] * costs[0]["layers_per_step"] / 1e3
     floor = t_free + layer_comm_s * slowdown / (1 + slowdown)
-    binds = bool(t_meg and reachable and reachable > 0 and floor > t_meg - reachable)
+    binds = bool(t_meg and bound_s is not None and t_meg > bound_s and floor > bound_s)
     return {"floor_s": floor, "layer_comm_s": layer_comm_s, "slowdown": slowdown,
-            "best_share": (t_meg - floor) / reachable if binds else None}
+            "best_share": (t_meg - floor) / (t_meg - bound_s) if binds else None}
 
 
 def _achievable_bound(link_floor: dict | None, t_free: float | None, megatron_cpu: dict | None,

@@ -21,12 +21,16 @@ its jitter is not charged). No tensor is held: a record keeps the Work handle
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-def collective_kind(op: str, group, nbytes: int) -> tuple:
+class CollectiveKind(NamedTuple):
     """The key collectives share a duration under: operator name, process group (hashable,
     None when unknown) and the bytes of its tensors."""
-    return (op, group, nbytes)
+
+    op: str
+    group: object
+    nbytes: int
 
 
 @dataclass
@@ -36,7 +40,7 @@ class InFlightCollective:
 
     work: object
     stream_start: float
-    kind: tuple
+    kind: CollectiveKind
 
 
 class CollectiveDurations:

@@ -59,7 +59,7 @@ from dhelix.gpu_emulation.aten_costs import (
     classify, is_communication, is_fill_factory, is_host_sync, is_inplace, kernel_ms,
     moved_bytes, op_name)
 from dhelix.gpu_emulation.collective_clock import (
-    CollectiveDurations, InFlightCollective, collective_kind, slowed_kernel_s)
+    CollectiveDurations, CollectiveKind, InFlightCollective, slowed_kernel_s)
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
 from dhelix.gpu_emulation.stream_ordered_issue import StreamOrderedIssuer, deferrable
 
@@ -215,7 +215,7 @@ class GpuEmulationMode(TorchDispatchMode):
         one's kind was never observed): a collective issued behind them starts then, one
         communicator running one collective at a time."""
         ends = [self.durations.expected_end(r) for r in self._in_flight
-                if r.kind[1] is not None and r.kind[1] == group
+                if r.kind.group is not None and r.kind.group == group
                 and not r.work.is_completed()]
         return max((e for e in ends if e is not None), default=0.0)
 
@@ -266,7 +266,7 @@ class GpuEmulationMode(TorchDispatchMode):
         if is_communication(func):
             self._collectives += 1
             group = process_group_of(args) if deferrable(func) else None
-            kind = collective_kind(op_name(func), group, sum(
+            kind = CollectiveKind(op_name(func), group, sum(
                 t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor)))
             if (self.config.stream_ordered_collectives and deferrable(func)

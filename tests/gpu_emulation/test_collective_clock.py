@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dhelix.gpu_emulation.collective_clock import (
-    CollectiveDurations, InFlightCollective, collective_kind, slowed_kernel_s)
+    CollectiveDurations, CollectiveKind, InFlightCollective, slowed_kernel_s)
 
 H100_PROFILE = Path("/work/shared/measurements/h100_llama8b_layer_comp_only_profile.json")
 
@@ -28,14 +28,14 @@ def test_slowed_kernel_is_slowed_only_while_collectives_run():
 
 def test_durations_keep_the_shortest_observation_per_kind():
     durations = CollectiveDurations()
-    kind = collective_kind("allreduce_", None, 1024)
+    kind = CollectiveKind("allreduce_", None, 1024)
     record = InFlightCollective(work=None, stream_start=5.0, kind=kind)
     assert durations.expected_end(record) is None
     durations.observe(record, seen_done_at=5.3)
     durations.observe(InFlightCollective(None, 7.0, kind), seen_done_at=7.2)
     durations.observe(InFlightCollective(None, 9.0, kind), seen_done_at=9.9)
     assert durations.expected_end(record) == pytest.approx(5.2)
-    other = InFlightCollective(None, 1.0, collective_kind("allreduce_", None, 2048))
+    other = InFlightCollective(None, 1.0, CollectiveKind("allreduce_", None, 2048))
     assert durations.expected_end(other) is None
 
 
@@ -57,7 +57,7 @@ def test_mode_slows_a_kernel_only_for_the_collectives_forecast_overlap():
 
     model = fit_kernel_model(load_profile(H100_PROFILE))
     durations = CollectiveDurations()
-    kind = collective_kind("allreduce_", None, 4096)
+    kind = CollectiveKind("allreduce_", None, 4096)
     # one collective of this kind was seen to take 50 ms
     durations.observe(InFlightCollective(None, 0.0, kind), seen_done_at=0.05)
     mode = GpuEmulationMode(model, EmulationConfig(time_scale=1.0, overlap_slowdown=0.25),
@@ -77,7 +77,7 @@ def test_mode_slows_a_kernel_only_for_the_collectives_forecast_overlap():
     assert second.slowed == 0 and second.modelled_ms == pytest.approx(100.0)
     # a kind never observed slows the whole kernel
     mode._in_flight.append(InFlightCollective(_Work(), time.perf_counter(),
-                                              collective_kind("allreduce_", None, 8)))
+                                              CollectiveKind("allreduce_", None, 8)))
     mode._charge("gemm.wgrad", "mm", 100.0)
     assert mode.report().by_term["gemm.wgrad"].modelled_ms == pytest.approx(125.0)
     # once seen completed, a collective is dropped and its duration noted: it started 30
