@@ -78,8 +78,8 @@ def restore_adam_steps_after_load(optimizer) -> None:
                 if state and "step" in state:
                     # on the CPU on purpose: torch's (non-capturable, non-fused) Adam keeps
                     # its `step` there, whatever the parameters' device
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32,
-                                                 device="cpu")
+                    state["step"] = torch.tensor(float(step), device="cpu",
+                                                 dtype=torch.float32)
 
 
 def _loads_optimizer_state(args, load_arg: str, optimizer) -> bool:

@@ -106,8 +106,8 @@ def trace_profile_layer(ctx, profile_path: str) -> dict:
                                         config=layer_config(shape, 1, fp32), layer_number=1)
         rotary = RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0)(shape.seq)
         device = model_device(layers[True])  # where the layer was built
-        x, dy = (torch.empty(shape.seq, shape.micro_batch, shape.hidden,
-                             dtype=getattr(torch, shape.dtype), device=device)
+        x, dy = (torch.empty(shape.seq, shape.micro_batch, shape.hidden, device=device,
+                             dtype=getattr(torch, shape.dtype))
                  for _ in range(2))
     bound = BoundLayer(layers[True], shape.seq, shape.micro_batch, rope=True)
     return {"operators": trace_operator_bytes(bound, x, dy, rotary, model),

@@ -141,8 +141,8 @@ def measure_loss_part_peak(parts, desc, device: torch.device, rotary_pos_emb=Non
     from megatron_patches.gpt_parts import PreOutput
 
     shape, dtype = boundary_spec(desc)
-    tokens = torch.zeros(desc.micro_batch_size, desc.seq_length, dtype=torch.long,
-                         device=device)
+    tokens = torch.zeros(desc.micro_batch_size, desc.seq_length, device=device,
+                         dtype=torch.long)
     positions = torch.arange(desc.seq_length, device=device).unsqueeze(0).expand_as(tokens)
 
     def forward_backward():
