@@ -58,6 +58,12 @@ def is_communication(func) -> bool:
     return namespace(func) in ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
 
+def is_gemm(func) -> bool:
+    """A matrix multiply `kernel_ms` charges at a GEMM rate (`mm`, `addmm`, `bmm`,
+    `baddbmm`)."""
+    return op_name(func) in _GEMM_2D or op_name(func) in _GEMM_BATCHED
+
+
 def is_host_sync(func) -> bool:
     """An operator that reads a tensor's data on the host (CUDA would synchronise)."""
     return op_name(func) in _SYNC_NAMES

@@ -52,12 +52,19 @@ class GpuEmulation:
 
         return fit_emulation_model(load_profile(self.profile), self.trace)
 
-    def building(self, model: KernelTimeModel | None = None) -> GpuEmulationMode:
+    @contextmanager
+    def building(self, model: KernelTimeModel | None = None):
         """A mode that charges nothing worth waiting for (S = 1e-9, kernels of `model`,
-        default `kernel_model()`): a model built under it initialises its weights, optimizer
-        state and gradient buffers without computing or touching anything, so Llama-8B
-        layer shapes cost virtual memory only (the weights are garbage; timing only)."""
-        return GpuEmulationMode(model or self.kernel_model(), EmulationConfig(time_scale=1e-9))
+        default `kernel_model()`), yielded: a model built under it initialises its weights,
+        optimizer state and gradient buffers without computing or touching anything, so
+        Llama-8B layer shapes cost virtual memory only (the weights are garbage; timing
+        only). MoE routers run under it route for real (`regions.routing_regions`: the
+        set-up's memory measurement runs the layer)."""
+        from dhelix.gpu_emulation.regions import routing_regions
+
+        with routing_regions(), GpuEmulationMode(
+                model or self.kernel_model(), EmulationConfig(time_scale=1e-9)) as mode:
+            yield mode
 
 
 def trace_profile(profile: str, timeout_s: float = 600) -> dict:
@@ -82,12 +89,14 @@ def emulated_link_rate(bits_per_s: int, time_scale: float) -> int:
 @contextmanager
 def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig,
                   durations: CollectiveDurations | None = None):
-    """Open the core-attention and fused-norm regions of every module in `chunks` (a model
-    chunk or a list of them) and a new `GpuEmulationMode(model, config, durations)`; yields
+    """Open the core-attention and fused-norm regions and the real MoE routing
+    (`regions.routing_regions`) of every module in `chunks` (a model chunk or a list of
+    them) and a new `GpuEmulationMode(model, config, durations)`; yields
     the mode. Leaving drains the emulated stream (the host waits for the last kernel). The
     calling thread is named the emulated GPU's host thread (`host_threads`). Pass the
     process's `durations` to every call so the modes forecast collectives from the start."""
-    from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions
+    from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions, \
+        routing_regions
 
     chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
     name_current_thread(MAIN_THREAD_NAME)  # the emulated GPU's host thread (host_threads)
@@ -96,6 +105,7 @@ def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig,
         for chunk in chunks:
             stack.enter_context(attention_regions(chunk))
             stack.enter_context(fused_norm_regions(chunk))
+        stack.enter_context(routing_regions())
         with mode:
             yield mode
 

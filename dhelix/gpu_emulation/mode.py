@@ -39,6 +39,14 @@ Regions (`enter_region` / `exit_region`): a stretch of code whose GPU time is kn
 whole (Megatron's unfused core attention, `dhelix.gpu_emulation.regions`) is charged once;
 the compute operators inside are faked as elsewhere and charged nothing (`absorbed`).
 
+Values the host acts on run for real (and are charged as usual): every operator whose
+tensors are all index data (bool or integer: routing maps, token counts, sort indices, so
+the split sizes an MoE all-to-all reads on the host are real), and between `enter_real()`
+and `exit_real()` every compute operator but the GEMMs (an MoE router:
+`regions.routing_regions`; its GEMM's output is replaced by random logits there, so it need
+not be computed). Their inputs must then be real too, which is what the two rules give the
+MoE routing path.
+
 Ownership: outputs are new tensors owned by the caller, on the device of the operator's first
 tensor argument; the mode keeps no tensor (only the Work handles of in-flight collectives,
 until they complete). One mode per thread; autograd's backward on CPU runs on the calling
@@ -56,7 +64,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from dhelix.c10d_ops import process_group_of, unboxed_work, work_handles
 from dhelix.gpu_emulation.aten_costs import (
-    classify, is_communication, is_fill_factory, is_host_sync, is_inplace, kernel_ms,
+    classify, is_communication, is_fill_factory, is_gemm, is_host_sync, is_inplace, kernel_ms,
     moved_bytes, op_name)
 from dhelix.gpu_emulation.collective_clock import (
     CollectiveDurations, CollectiveKind, InFlightCollective, slowed_kernel_s)
@@ -69,11 +77,6 @@ H100_OVERLAP_SLOWDOWN = 0.25
 # pipeline schedule may do much later (the W schedule's sends wait for the step's end), so
 # most of that time no bytes move; they do not slow kernels (only collectives do)
 POINT_TO_POINT = frozenset({"send", "recv_", "recv_any_source_"})
-# operators whose tensors are all uint8 and at most this large run for real: RNG states (the
-# CPU generator's is 5056 bytes), which Megatron's RNG tracker clones and restores (a faked
-# clone is garbage that `torch.set_rng_state` refuses: the folded PP=2 model is seeded per
-# stage while it is built under the mode)
-BYTE_STATE_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class EmulationConfig:
     the same S to keep the GPU cluster's compute/communication ratio); `overlap_slowdown`:
     a kernel that runs while a collective is in flight takes (1 + this) x its time;
     `cheap_numel`: operators whose tensors all have at most this many elements run for real
-    (and operators on byte tensors of at most `BYTE_STATE_NUMEL`: a generator's state);
+    (and operators on index data only, `_index_data`: a generator's byte state, routing);
     `stream_ordered_collectives`: collectives issued while the stream is busy start when it
     reaches them without holding the host (a GPU's behaviour); False: the host waits for
     the stream to drain before every collective."""
@@ -136,6 +139,13 @@ class EmulationReport:
     stream_ordered: int = 0
 
 
+def _index_data(t: torch.Tensor) -> bool:
+    """Bool or integer (routing maps, counts, indices; uint8: an RNG state, which Megatron's
+    RNG tracker clones and restores, where a faked clone is garbage `torch.set_rng_state`
+    refuses): values the host acts on, computed for real."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex)
+
+
 def _meta(value):
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
@@ -168,6 +178,7 @@ class GpuEmulationMode(TorchDispatchMode):
         self._stream_idle = 0.0
         self._issuer = StreamOrderedIssuer()
         self._deferred = 0
+        self._real_depth = 0
 
     # -- time ---------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -241,6 +252,17 @@ class GpuEmulationMode(TorchDispatchMode):
     def in_region(self) -> bool:
         return self._region is not None
 
+    def enter_real(self) -> None:
+        """Until the matching `exit_real()`, every compute operator but the GEMMs runs for
+        real (charged as usual): code whose values the host acts on (an MoE router's
+        routing decisions, `regions.routing_regions`). Nests."""
+        self._real_depth += 1
+
+    def exit_real(self) -> None:
+        if not self._real_depth:
+            raise RuntimeError("error: exit_real() without enter_real()")
+        self._real_depth -= 1
+
     def report(self) -> EmulationReport:
         def totals(table):
             return {k: TermTotal(*v) for k, v in sorted(table.items())}
@@ -295,8 +317,9 @@ class GpuEmulationMode(TorchDispatchMode):
                 self.synchronize()
             return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if all(t.numel() <= self.config.cheap_numel for t in tensors) or all(
-                t.dtype == torch.uint8 and t.numel() <= BYTE_STATE_NUMEL for t in tensors):
+        if (all(t.numel() <= self.config.cheap_numel for t in tensors)
+                or all(_index_data(t) for t in tensors)
+                or (self._real_depth and not is_gemm(func))):
             out = func(*args, **kwargs)
         elif is_inplace(func):
             out = self._mutated(func, args, kwargs)
@@ -311,11 +334,13 @@ class GpuEmulationMode(TorchDispatchMode):
         return out
 
     def _fill_factory(self, func, args, kwargs):
-        """`zeros` / `ones` / `full`: run for real up to `cheap_numel` elements, else an
+        """`zeros` / `ones` / `full`: run for real up to `cheap_numel` elements, of index
+        data, or between `enter_real` and `exit_real`; else an
         untouched `empty_strided` of the same layout (garbage values, like every faked
         output: model building touches no gradient buffer), charged as a memory kernel."""
         meta_out = func(*args, **{**kwargs, "device": "meta"})
-        if meta_out.numel() <= self.config.cheap_numel:
+        if (meta_out.numel() <= self.config.cheap_numel or _index_data(meta_out)
+                or self._real_depth):
             return func(*args, **kwargs)
         device = kwargs.get("device") or torch.get_default_device()
         out = torch.empty_strided(meta_out.shape, meta_out.stride(), dtype=meta_out.dtype,

@@ -167,3 +167,46 @@ def fused_norm_regions(model: torch.nn.Module):
 
     with _region_hooks(model, torch.nn.RMSNorm, forward_pre, backward_pre):
         yield
+
+
+@contextmanager
+def routing_regions():
+    """While open, every MoE router (megatron-core's `TopKRouter`, any model) called under
+    a `GpuEmulationMode` routes for real: its forward runs between the mode's
+    `enter_real()` and `exit_real()` (every kernel but the gating GEMM computed, all
+    charged as usual) with Megatron's benchmarking option `moe_router_force_load_balancing`
+    on for the call, so the logits are random (`moe_utils.apply_random_logits`: balanced
+    routing in expectation) instead of the garbage a faked gating GEMM leaves. The
+    dispatcher's split sizes, read on the host, then come from real token counts (index
+    data runs for real, `GpuEmulationMode`). Timing only, as all of the emulation: every
+    system routes this way under it. Global module hooks (a router built inside the
+    context is covered too), removed on exit; with no mode active a router runs as without
+    the context."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from torch.nn.modules.module import (register_module_forward_hook,
+                                         register_module_forward_pre_hook)
+
+    entered = []
+
+    def forward_pre(module, args):
+        mode = active_mode() if isinstance(module, TopKRouter) else None
+        if mode is None:
+            return
+        config = module.config
+        entered.append((mode, config, config.moe_router_force_load_balancing))
+        config.moe_router_force_load_balancing = True
+        mode.enter_real()
+
+    def forward_post(module, args, output):
+        if entered and isinstance(module, TopKRouter) and entered[-1][1] is module.config:
+            mode, config, saved = entered.pop()
+            config.moe_router_force_load_balancing = saved
+            mode.exit_real()
+
+    handles = [register_module_forward_pre_hook(forward_pre),
+               register_module_forward_hook(forward_post, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
