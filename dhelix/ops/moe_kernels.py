@@ -201,36 +201,38 @@ def _expert_slices(state, splits_name: str) -> list:
 class ExpertLinearForward(Kernel):
     """Each local expert's GEMM (`attrs['linear']`: linear_fc1 or linear_fc2) on its rows:
     `rows_i @ W_i^T`, as Megatron's linear computes it (its bias is added by the traced
-    regions); the experts' outputs stacked in row order. Inputs (rows, split sizes).
-    Fires each linear's forward pre-hooks first."""
+    regions), each written into its rows of one output (stacked in row order, no copy).
+    Inputs (rows, split sizes). Fires each linear's forward pre-hooks first."""
 
     name, kind, op_class = "expert_linear_fwd", "comp", "gemm"
 
     def run(self, op, state):
         rows = state.take(op.inputs[0])
-        outputs = []
-        for expert, part in zip(_experts(state), _expert_slices(state, op.inputs[1])):
-            linear = getattr(expert, op.attrs["linear"])
+        linears = [getattr(expert, op.attrs["linear"]) for expert in _experts(state)]
+        output = rows.new_empty((rows.shape[0], linears[0].weight.shape[0]))
+        for linear, part in zip(linears, _expert_slices(state, op.inputs[1])):
             chunk = rows[part]
             run_forward_pre_hooks(linear, (chunk,))
-            outputs.append(torch.matmul(chunk, linear.weight.t()))
+            torch.matmul(chunk, linear.weight.t(), out=output[part])
         del rows
-        state.put(op.outputs[0], torch.cat(outputs))
+        state.put(op.outputs[0], output)
 
 
 @register_kernel
 class ExpertLinearDgrad(Kernel):
-    """Each local expert's input-gradient GEMM `grad_i @ W_i`, stacked in row order.
-    Inputs (output-gradient rows, split sizes)."""
+    """Each local expert's input-gradient GEMM `grad_i @ W_i`, each written into its rows
+    of one output (row order, no copy). Inputs (output-gradient rows, split sizes)."""
 
     name, kind, op_class = "expert_linear_dgrad", "comp", "gemm"
 
     def run(self, op, state):
         grad = state.take(op.inputs[0])
-        outputs = [grad[part].matmul(getattr(expert, op.attrs["linear"]).weight)
-                   for expert, part in zip(_experts(state), _expert_slices(state, op.inputs[1]))]
+        weights = [getattr(expert, op.attrs["linear"]).weight for expert in _experts(state)]
+        output = grad.new_empty((grad.shape[0], weights[0].shape[1]))
+        for weight, part in zip(weights, _expert_slices(state, op.inputs[1])):
+            torch.matmul(grad[part], weight, out=output[part])
         del grad
-        state.put(op.outputs[0], torch.cat(outputs))
+        state.put(op.outputs[0], output)
 
 
 @register_kernel
@@ -263,7 +265,10 @@ class ExpertLinearWgrad(Kernel):
 class ExpertActivation(Kernel):
     """Each local expert's MLP code between its GEMMs on its rows (FC1 bias, activation,
     routing probabilities applied), outputs stacked in row order. Inputs (FC1 output rows,
-    sorted probabilities, split sizes); outputs (activation rows, graph)."""
+    sorted probabilities, split sizes); outputs (activation rows, graph). Without FC1
+    biases that code is element-wise and the same for every expert, so it runs once over
+    all rows (the first expert's module): the same values without splitting and
+    concatenating the widest rows of the layer."""
 
     name, kind, op_class = "expert_activation", "comp", "elementwise"
 
@@ -272,6 +277,10 @@ class ExpertActivation(Kernel):
         counts = state.take(op.inputs[2]).tokens_per_expert.tolist()
 
         def region(inputs):
+            if not any(_has_fc1_bias(expert) for expert in experts):
+                # element-wise on every row alike: one call, the same values, no copies
+                fc1 = [inputs.pop("x")]
+                return expert_activation(experts[0], fc1.pop, inputs.pop("probs"))
             fc1_parts = list(torch.split(inputs.pop("x"), counts))
             prob_parts = torch.split(inputs.pop("probs"), counts)
             outputs = []
@@ -315,6 +324,10 @@ class UnsortFromExpert(Kernel):
         params = [expert.linear_fc2.bias for expert in experts]
         outputs, graph = LocalGraph.trace(op.id, region, entered, params)
         _put(op, state, outputs, graph)
+
+
+def _has_fc1_bias(expert) -> bool:
+    return getattr(expert.linear_fc1, "bias", None) is not None
 
 
 def _put(op, state, outputs, graph) -> None:
