@@ -248,6 +248,71 @@ def test_dispatch_rules_in_one_process():
         EmulationConfig(time_scale=0)
 
 
+def test_index_data_and_real_scopes_run_for_real():
+    mode = _mode(scale=1.0)
+    routing = torch.rand(8192, 4) > 0.5   # 32768 bools: above cheap_numel
+    a = torch.randn(256, 128)
+    w = torch.randn(64, 128)
+    with mode:
+        counts = routing.sum(dim=0)        # index data only: real
+        order = torch.argsort(routing.view(-1).int(), stable=True)  # real
+        scaled = a * 2.0                   # float above cheap_numel: faked
+        mode.enter_real()
+        real_scaled = a * 2.0              # inside the real scope: real
+        y = a @ w.t()                      # a GEMM stays faked there
+        mode.exit_real()
+        with pytest.raises(RuntimeError, match=r"error: exit_real\(\) without enter_real"):
+            mode.exit_real()
+    assert torch.equal(counts, routing.sum(dim=0))
+    assert torch.equal(order, torch.argsort(routing.view(-1).int(), stable=True))
+    assert torch.equal(real_scaled, a * 2.0) and scaled.shape == a.shape
+    assert y.shape == (256, 64)
+    ops = mode.report().by_op
+    # real or faked, every kernel is charged
+    assert ops["sum"].count == 1 and ops["mul"].count == 2 and ops["mm"].count == 1
+
+
+def _router_under_the_mode(ctx):
+    """A megatron-core TopKRouter (hidden 256, 4096 tokens, top-2 of 4 experts: its logits
+    and routing map are above cheap_numel) under the mode, with and without
+    `routing_regions`."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from dhelix.gpu_emulation.emulated_run import emulated_call
+    from dhelix.gpu_emulation.kernel_model import fit_kernel_model
+    from dhelix.gpu_emulation.mode import EmulationConfig
+    from profiler.profile_file import load_profile
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
+        moe_router_topk=2, moe_aux_loss_coeff=0.0, use_cpu_initialization=True,
+        moe_router_load_balancing_type="none")
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    router = TopKRouter(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "cp", "tp_cp", "tp_dp_cp"]))
+    hidden = torch.randn(2048, 2, 256)
+    model = fit_kernel_model(load_profile(H100_PROFILE))
+    with emulated_call(router, model, EmulationConfig(time_scale=1.0)) as mode:
+        probs, routing_map = router(hidden)
+    report = mode.report()
+    return {"map_shape": tuple(routing_map.shape), "per_token": routing_map.sum(dim=1).tolist(),
+            "counts": routing_map.sum(dim=0).tolist(), "probs_shape": tuple(probs.shape),
+            "gemm": sum(t.count for k, t in report.by_term.items() if k.startswith("gemm")),
+            "force_after": config.moe_router_force_load_balancing}
+
+
+def test_moe_router_routes_for_real_under_the_emulation():
+    r = run_megatron_ranks(_router_under_the_mode, 1, timeout_s=240,
+                           env={"OMP_NUM_THREADS": "1"})[0]
+    assert r["map_shape"] == (4096, 4) and r["probs_shape"] == (4096, 4)
+    assert set(r["per_token"]) == {2}, "every token routed to exactly top-2 experts"
+    assert sum(r["counts"]) == 8192 and min(r["counts"]) > 1500, r["counts"]  # random logits
+    assert r["gemm"] >= 1  # the gating GEMM charged, not computed
+    assert r["force_after"] is False  # Megatron's option restored after the call
+
+
 def test_region_charges_once_and_absorbs_its_kernels():
     mode = _mode(scale=1.0)
     a = torch.randn(256, 128)
