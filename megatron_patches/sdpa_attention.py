@@ -8,7 +8,8 @@ kernels (flash / cuDNN / memory-efficient on CUDA, the math kernel on CPU), caus
 grouped-query attention through `enable_gqa` (no repeated K/V).
 
 `sdpa_layer_spec(spec)` returns a copy of a local-spec `TransformerLayer` spec whose
-`core_attention` is `SDPAttention`; stock Megatron builds it like any other spec, which makes
+`core_attention` is `SDPAttention` (`layer_spec_for` also takes the block spec of an MoE
+model, dense and MoE layers alike); stock Megatron builds it like any other spec, which makes
 stock-with-SDPA the like-for-like baseline of `--dhelix --dhelix-attention sdpa`.
 
 Mask convention (as Transformer Engine's attention with a causal mask type): the layer's
@@ -152,7 +153,7 @@ def sdpa_layer_spec(spec: ModuleSpec) -> ModuleSpec:
         raise SDPAttentionError(
             "--dhelix-attention sdpa replaces DotProductAttention of megatron-core's local "
             f"layer spec; this model's layer spec has {found} (use the local spec: "
-            "--transformer-impl local, no --spec, dense layers)")
+            "--transformer-impl local, no --spec)")
     attention = dataclasses.replace(
         attention, submodules=dataclasses.replace(attention.submodules,
                                                   core_attention=SDPAttention))
@@ -160,13 +161,21 @@ def sdpa_layer_spec(spec: ModuleSpec) -> ModuleSpec:
         spec.submodules, self_attention=attention))
 
 
-def layer_spec_for(spec: ModuleSpec, attention: str) -> ModuleSpec:
-    """`spec` for `--dhelix-attention attention`: unchanged for megatron, the SDPA copy for
-    sdpa."""
+def layer_spec_for(spec, attention: str):
+    """`spec` for `--dhelix-attention attention`: unchanged for megatron; for sdpa the SDPA
+    copy of a layer spec, or of a block spec (`TransformerBlockSubmodules`, what Megatron
+    builds for MoE models: every layer spec of it replaced, its final norm kept)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
     if attention not in ATTENTION_CHOICES:
         raise SDPAttentionError(f"--dhelix-attention {attention!r} is not one of "
                                 f"{', '.join(ATTENTION_CHOICES)}")
-    return sdpa_layer_spec(spec) if attention == "sdpa" else spec
+    if attention != "sdpa":
+        return spec
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(
+            spec, layer_specs=[sdpa_layer_spec(layer) for layer in spec.layer_specs])
+    return sdpa_layer_spec(spec)
 
 
 def check_attention_args(args) -> None:

@@ -129,6 +129,22 @@ def test_layer_spec_swap_and_refusals():
         sdpa_layer_spec(swapped)  # its core attention is no longer DotProductAttention
     with pytest.raises(SDPAttentionError, match="not one of"):
         layer_spec_for(spec, "flash")
+    # an MoE model's block spec (Megatron's --moe-layer-freq stack): every layer swapped
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                               num_moe_experts=4, moe_layer_freq=[1, 0],
+                               use_cpu_initialization=True)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                       normalization="RMSNorm")
+    block_sdpa = layer_spec_for(block, "sdpa")
+    cores = [layer.submodules.self_attention.submodules.core_attention
+             for layer in block_sdpa.layer_specs]
+    assert cores == [SDPAttention, SDPAttention] and block_sdpa.layer_norm == block.layer_norm
+    assert all(layer.submodules.self_attention.submodules.core_attention is DotProductAttention
+               for layer in block.layer_specs)
+    assert block_sdpa.layer_specs[0].submodules.mlp == block.layer_specs[0].submodules.mlp
     args = type("Args", (), {"dhelix_attention": "sdpa", "reset_attention_mask": True})()
     with pytest.raises(SDPAttentionError, match="--reset-attention-mask"):
         check_attention_args(args)
