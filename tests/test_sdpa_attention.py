@@ -130,14 +130,11 @@ def test_layer_spec_swap_and_refusals():
     with pytest.raises(SDPAttentionError, match="not one of"):
         layer_spec_for(spec, "flash")
     # an MoE model's block spec (Megatron's --moe-layer-freq stack): every layer swapped
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                               num_moe_experts=4, moe_layer_freq=[1, 0],
-                               use_cpu_initialization=True)
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                       normalization="RMSNorm")
+    block = TransformerBlockSubmodules(
+        layer_specs=[get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm"), spec],
+        layer_norm=torch.nn.LayerNorm)
     block_sdpa = layer_spec_for(block, "sdpa")
     cores = [layer.submodules.self_attention.submodules.core_attention
              for layer in block_sdpa.layer_specs]
