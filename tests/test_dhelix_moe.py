@@ -31,8 +31,10 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-t
 # every layer MoE: profiled by `dhelix profile` in the same launch, planned from the profile
 ALL_MOE = tuple(w if w != "[1,1,0,1]" else "1" for w in MOE)
 # SwiGLU experts without biases (no FC2-bias term: one probability gradient), RMSNorm,
-# planned by the Wavelet-style round robin
-LLAMA = ("--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm")
+# SDPA core attention in the MoE model's block spec (stock and --dhelix alike), planned by
+# the Wavelet-style round robin
+LLAMA = ("--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+         "--dhelix-attention", "sdpa")
 # a shared expert beside the routed ones (Megatron's shared experts have no biases)
 SHARED = ("--disable-bias-linear", "--moe-shared-expert-intermediate-size", "96")
 CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
