@@ -238,27 +238,26 @@ class ExpertLinearDgrad(Kernel):
 @register_kernel
 class ExpertLinearWgrad(Kernel):
     """Each local expert's weight gradient `grad_i^T @ input_i` (Megatron's wgrad
-    computation), delivered to its weight by `deliver_param_grads`. Inputs
-    (output-gradient rows, GEMM input rows, split sizes)."""
+    computation), delivered to its weight by `deliver_param_grads` expert by expert, as
+    Megatron's backward delivers them: one expert's gradient (a whole weight's size) alive
+    at a time, not all of the rank's at once. Inputs (output-gradient rows, GEMM input
+    rows, split sizes)."""
 
     name, kind, op_class = "expert_linear_wgrad", "comp", "gemm"
 
     def run(self, op, state):
-        operands = [state.take(op.inputs[0]), state.take(op.inputs[1])]
+        operands = {"grad": state.take(op.inputs[0]), "rows": state.take(op.inputs[1])}
         parts = _expert_slices(state, op.inputs[2])
         weights = [getattr(expert, op.attrs["linear"]).weight for expert in _experts(state)]
 
-        def compute():
-            grad, rows = operands
-            operands.clear()
-            grads = []
-            for part in parts:
-                grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
-                    grad[part], rows[part])
-                grads.append(grad_output.t().matmul(total_input))
-            return grads
+        def compute(part):
+            grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
+                operands["grad"][part], operands["rows"][part])
+            return [grad_output.t().matmul(total_input)]
 
-        deliver_param_grads(weights, compute)
+        for weight, part in zip(weights, parts):
+            deliver_param_grads([weight], lambda part=part: compute(part))
+        operands.clear()
 
 
 @register_kernel
