@@ -229,13 +229,16 @@ def _moe_layer_specs(model_config, stage_block):
     """Every global layer's spec of the MoE stack `default_layer_spec` gave this stage as
     `stage_block` (Megatron's `get_gpt_decoder_block_spec`: the `--moe-layer-freq` pattern's
     MoE and dense layer specs, sliced to the stock stage's layers), from the same
-    `get_gpt_decoder_layer_specs` call before slicing (with SDPA core attention under
-    `--dhelix-attention sdpa`, as `_hook_default_layer_spec` gives the stage); `stage_block` returned unchanged when
-    it is not that spec (no MoE, or this stage's slice differs). Specs are compared by
-    their repr: Megatron's MoE layer specs hold `functools.partial` objects, which compare
-    by identity, and a repr names the same classes, functions and arguments."""
+    `get_gpt_decoder_layer_specs` call before slicing (with the core attention
+    `--dhelix-attention` asks for, as `_hook_default_layer_spec` gives the stage);
+    `stage_block` returned unchanged when it is not that spec (no MoE, or this stage's
+    slice differs). Specs are compared by their repr: Megatron's MoE layer specs hold
+    `functools.partial` objects, which compare by identity, and a repr names the same
+    classes, functions and arguments."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_patches.sdpa_attention import layer_spec_for
 
     config = model_config.transformer
     if config.num_moe_experts is None:
@@ -243,10 +246,7 @@ def _moe_layer_specs(model_config, stage_block):
     specs = get_gpt_decoder_layer_specs(
         config, config.transformer_impl == "transformer_engine",
         normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
-    if _megatron_args().dhelix_attention == "sdpa":  # as `default_layer_spec` swapped them
-        from megatron_patches.sdpa_attention import sdpa_layer_spec
-
-        specs = [sdpa_layer_spec(spec) for spec in specs]
+    specs = [layer_spec_for(spec, _megatron_args().dhelix_attention) for spec in specs]
     offset = get_transformer_layer_offset(config)
     stage_specs = list(getattr(stage_block, "layer_specs", ()))
     if repr(specs[offset:offset + len(stage_specs)]) != repr(stage_specs):

@@ -89,9 +89,9 @@ def emulated_link_rate(bits_per_s: int, time_scale: float) -> int:
 @contextmanager
 def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig,
                   durations: CollectiveDurations | None = None):
-    """Open the core-attention and fused-norm regions and the real MoE routing
-    (`regions.routing_regions`) of every module in `chunks` (a model chunk or a list of
-    them) and a new `GpuEmulationMode(model, config, durations)`; yields
+    """Open the core-attention and fused-norm regions of every module in `chunks` (a model
+    chunk or a list of them), the real MoE routing of any router
+    (`regions.routing_regions`) and a new `GpuEmulationMode(model, config, durations)`; yields
     the mode. Leaving drains the emulated stream (the host waits for the last kernel). The
     calling thread is named the emulated GPU's host thread (`host_threads`). Pass the
     process's `durations` to every call so the modes forecast collectives from the start."""

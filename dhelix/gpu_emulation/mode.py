@@ -317,9 +317,7 @@ class GpuEmulationMode(TorchDispatchMode):
                 self.synchronize()
             return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if (all(t.numel() <= self.config.cheap_numel for t in tensors)
-                or all(_index_data(t) for t in tensors)
-                or (self._real_depth and not is_gemm(func))):
+        if self._runs_for_real(tensors, is_gemm(func)):
             out = func(*args, **kwargs)
         elif is_inplace(func):
             out = self._mutated(func, args, kwargs)
@@ -333,14 +331,20 @@ class GpuEmulationMode(TorchDispatchMode):
         self._charge(term, op_name(func), ms, nbytes)
         return out
 
+    def _runs_for_real(self, tensors: list, gemm: bool = False) -> bool:
+        """Whether an operator on (or making) `tensors` runs for real: all of them at most
+        `cheap_numel` elements, all index data, or inside a real scope unless a GEMM."""
+        return (all(t.numel() <= self.config.cheap_numel for t in tensors)
+                or all(_index_data(t) for t in tensors)
+                or bool(self._real_depth and not gemm))
+
     def _fill_factory(self, func, args, kwargs):
         """`zeros` / `ones` / `full`: run for real up to `cheap_numel` elements, of index
         data, or between `enter_real` and `exit_real`; else an
         untouched `empty_strided` of the same layout (garbage values, like every faked
         output: model building touches no gradient buffer), charged as a memory kernel."""
         meta_out = func(*args, **{**kwargs, "device": "meta"})
-        if (meta_out.numel() <= self.config.cheap_numel or _index_data(meta_out)
-                or self._real_depth):
+        if self._runs_for_real([meta_out]):
             return func(*args, **kwargs)
         device = kwargs.get("device") or torch.get_default_device()
         out = torch.empty_strided(meta_out.shape, meta_out.stride(), dtype=meta_out.dtype,

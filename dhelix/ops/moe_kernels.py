@@ -246,18 +246,17 @@ class ExpertLinearWgrad(Kernel):
     name, kind, op_class = "expert_linear_wgrad", "comp", "gemm"
 
     def run(self, op, state):
-        operands = {"grad": state.take(op.inputs[0]), "rows": state.take(op.inputs[1])}
+        grad, rows = state.take(op.inputs[0]), state.take(op.inputs[1])
         parts = _expert_slices(state, op.inputs[2])
         weights = [getattr(expert, op.attrs["linear"]).weight for expert in _experts(state)]
 
         def compute(part):
             grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
-                operands["grad"][part], operands["rows"][part])
+                grad[part], rows[part])
             return [grad_output.t().matmul(total_input)]
 
         for weight, part in zip(weights, parts):
             deliver_param_grads([weight], lambda part=part: compute(part))
-        operands.clear()
 
 
 @register_kernel
