@@ -126,36 +126,42 @@ def permute_tokens(moe_layer, hidden: torch.Tensor, probs: torch.Tensor,
 
 @dataclass(frozen=True)
 class DispatchSplits:
-    """Per micro-batch all-to-all metadata of one MoE layer: rows sent to / received from
-    each expert-parallel rank, tokens per local expert, and received tokens per (source
-    rank, local expert) (`num_global_tokens_per_local_expert`)."""
+    """Per micro-batch all-to-all metadata of one MoE layer, on the host: rows sent to /
+    received from each expert-parallel rank, tokens per local expert, and received tokens
+    per (source rank, local expert) (`num_global_tokens_per_local_expert`, a CPU tensor as
+    megatron-core's unfused dispatcher keeps it; `--moe-permute-fusion` is refused)."""
 
     input_splits: tuple
     output_splits: tuple
-    tokens_per_expert: torch.Tensor
+    tokens_per_expert: tuple
     per_local_expert: torch.Tensor
 
 
 def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> DispatchSplits:
     """The alltoall dispatcher's `preprocess` for expert tensor parallelism 1 (dropless)
     from the token counts of every rank of the expert-parallel group (`gathered`,
-    [ep * experts] in group order)."""
+    [ep * experts] in group order). Reads `gathered` on the host once (megatron-core's
+    dispatcher also synchronises once for its split sizes); every later use of the split
+    sizes (the experts' row ranges, the sorts, the backward all-to-alls) reads host
+    integers, so no operator after the dispatch waits for the device."""
     dispatcher = moe_layer.token_dispatcher
     if dispatcher.tp_size != 1:
         raise NotImplementedError(f"the MoE operators need expert tensor parallelism 1, the "
                                   f"dispatcher has {dispatcher.tp_size}")
     ep, experts = dispatcher.ep_size, dispatcher.num_experts
     local_experts = dispatcher.num_local_experts
-    local = gathered.view(ep, experts)[ep_rank]
-    input_splits = local.reshape(ep, local_experts).sum(axis=1)
-    per_expert = gathered.reshape(ep, 1, experts).transpose(0, 1)
-    first, last = dispatcher.local_expert_indices[0], dispatcher.local_expert_indices[-1]
-    per_local_expert = per_expert[:, :, first:last + 1].contiguous()
-    per_rank = per_local_expert.sum(axis=2)
-    return DispatchSplits(input_splits=tuple(input_splits.tolist()),
-                          output_splits=tuple(per_rank[0].tolist()),
-                          tokens_per_expert=per_local_expert.sum(dim=(0, 1)),
-                          per_local_expert=per_local_expert.view(-1, local_experts))
+    counts = gathered.tolist()
+    sent = [counts[rank * experts:(rank + 1) * experts] for rank in range(ep)]
+    mine = sent[ep_rank]
+    input_splits = tuple(sum(mine[q * local_experts:(q + 1) * local_experts])
+                         for q in range(ep))
+    first = dispatcher.local_expert_indices[0]
+    per_local = [row[first:first + local_experts] for row in sent]
+    return DispatchSplits(
+        input_splits=input_splits,
+        output_splits=tuple(sum(row) for row in per_local),
+        tokens_per_expert=tuple(sum(row[j] for row in per_local) for j in range(local_experts)),
+        per_local_expert=torch.tensor(per_local, dtype=gathered.dtype, device="cpu"))
 
 
 def sort_received(moe_layer, tokens: torch.Tensor, probs: torch.Tensor,
@@ -194,7 +200,7 @@ def expert_rows(splits: DispatchSplits) -> list:
     """(start, stop) of each local expert's rows in the sorted received rows (SequentialMLP
     splits them by `tokens_per_expert`)."""
     bounds, start = [], 0
-    for count in splits.tokens_per_expert.tolist():
+    for count in splits.tokens_per_expert:
         bounds.append((start, start + count))
         start += count
     return bounds

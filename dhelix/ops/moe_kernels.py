@@ -197,100 +197,131 @@ def _expert_slices(state, splits_name: str) -> list:
     return [slice(a, b) for a, b in moe_regions.expert_rows(state.take(splits_name))]
 
 
+def _expert_operand(op, state, index: int, part: slice) -> torch.Tensor:
+    """Input `index` of the per-expert operator `op` as its expert's rows: rows `part` of
+    the value holding every local expert's rows when the program lists it in
+    `attrs['stacked']`, else the expert's own value."""
+    value = state.take(op.inputs[index])
+    return value[part] if op.inputs[index] in op.attrs["stacked"] else value
+
+
+def _expert_linear(state, op):
+    expert = op.attrs["expert"]
+    return getattr(_experts(state)[expert], op.attrs["linear"]), expert
+
+
 @register_kernel
 class ExpertLinearForward(Kernel):
     """Each local expert's GEMM (`attrs['linear']`: linear_fc1 or linear_fc2) on its rows:
     `rows_i @ W_i^T`, as Megatron's linear computes it (its bias is added by the traced
-    regions), each written into its rows of one output (stacked in row order, no copy).
-    Inputs (rows, split sizes). Fires each linear's forward pre-hooks first."""
+    regions). Inputs (rows of every expert, split sizes) or (each expert's rows, split
+    sizes); outputs each expert's rows or (one output) every expert's, written into its rows
+    of it (row order, no copy). Fires each linear's forward pre-hooks first."""
 
     name, kind, op_class = "expert_linear_fwd", "comp", "gemm"
 
     def run(self, op, state):
-        rows = state.take(op.inputs[0])
+        *names, splits_name = op.inputs
         linears = [getattr(expert, op.attrs["linear"]) for expert in _experts(state)]
-        output = rows.new_empty((rows.shape[0], linears[0].weight.shape[0]))
-        for linear, part in zip(linears, _expert_slices(state, op.inputs[1])):
-            chunk = rows[part]
+        parts = _expert_slices(state, splits_name)
+        if len(names) == 1:
+            stacked = state.take(names[0])
+            rows = [stacked[part] for part in parts]
+            del stacked
+        else:
+            rows = [state.take(name) for name in names]
+        stacked_out = len(op.outputs) == 1
+        if stacked_out:
+            total = sum(chunk.shape[0] for chunk in rows)
+            output = rows[0].new_empty((total, linears[0].weight.shape[0]))
+        for i, (linear, part) in enumerate(zip(linears, parts)):
+            chunk = rows[i]
+            rows[i] = None
             run_forward_pre_hooks(linear, (chunk,))
-            torch.matmul(chunk, linear.weight.t(), out=output[part])
-        del rows
-        state.put(op.outputs[0], output)
+            if stacked_out:
+                torch.matmul(chunk, linear.weight.t(), out=output[part])
+            else:
+                state.put(op.outputs[i], torch.matmul(chunk, linear.weight.t()))
+        if stacked_out:
+            state.put(op.outputs[0], output)
 
 
 @register_kernel
 class ExpertLinearDgrad(Kernel):
-    """Each local expert's input-gradient GEMM `grad_i @ W_i`, each written into its rows
-    of one output (row order, no copy). Inputs (output-gradient rows, split sizes)."""
+    """One local expert's (`attrs['expert']`) input-gradient GEMM `grad_i @ W_i`. Inputs
+    (output-gradient rows, split sizes); output the expert's input-gradient rows."""
 
     name, kind, op_class = "expert_linear_dgrad", "comp", "gemm"
 
     def run(self, op, state):
-        grad = state.take(op.inputs[0])
-        weights = [getattr(expert, op.attrs["linear"]).weight for expert in _experts(state)]
-        output = grad.new_empty((grad.shape[0], weights[0].shape[1]))
-        for weight, part in zip(weights, _expert_slices(state, op.inputs[1])):
-            torch.matmul(grad[part], weight, out=output[part])
-        del grad
-        state.put(op.outputs[0], output)
+        linear, expert = _expert_linear(state, op)
+        part = _expert_slices(state, op.inputs[1])[expert]
+        grad = _expert_operand(op, state, 0, part)
+        state.put(op.outputs[0], torch.matmul(grad, linear.weight))
 
 
 @register_kernel
 class ExpertLinearWgrad(Kernel):
-    """Each local expert's weight gradient `grad_i^T @ input_i` (Megatron's wgrad
-    computation), delivered to its weight by `deliver_param_grads` expert by expert, as
-    Megatron's backward delivers them: one expert's gradient (a whole weight's size) alive
-    at a time, not all of the rank's at once. Inputs (output-gradient rows, GEMM input
-    rows, split sizes)."""
+    """One local expert's (`attrs['expert']`) weight gradient `grad_i^T @ input_i`
+    (Megatron's wgrad computation), delivered to its weight by `deliver_param_grads`, as
+    Megatron's backward delivers it. Inputs (output-gradient rows, GEMM input rows, split
+    sizes)."""
 
     name, kind, op_class = "expert_linear_wgrad", "comp", "gemm"
 
     def run(self, op, state):
-        grad, rows = state.take(op.inputs[0]), state.take(op.inputs[1])
-        parts = _expert_slices(state, op.inputs[2])
-        weights = [getattr(expert, op.attrs["linear"]).weight for expert in _experts(state)]
+        linear, expert = _expert_linear(state, op)
+        part = _expert_slices(state, op.inputs[2])[expert]
+        grad, rows = _expert_operand(op, state, 0, part), _expert_operand(op, state, 1, part)
 
-        def compute(part):
-            grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
-                grad[part], rows[part])
+        def compute():
+            grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad, rows)
             return [grad_output.t().matmul(total_input)]
 
-        for weight, part in zip(weights, parts):
-            deliver_param_grads([weight], lambda part=part: compute(part))
+        deliver_param_grads([linear.weight], compute)
 
 
 @register_kernel
 class ExpertActivation(Kernel):
     """Each local expert's MLP code between its GEMMs on its rows (FC1 bias, activation,
-    routing probabilities applied), outputs stacked in row order. Inputs (FC1 output rows,
-    sorted probabilities, split sizes); outputs (activation rows, graph). Without FC1
-    biases that code is element-wise and the same for every expert, so it runs once over
-    all rows (the first expert's module): the same values without splitting and
-    concatenating the widest rows of the layer."""
+    routing probabilities applied), each expert in a graph of its own so that its backward
+    frees the expert's saved rows. Inputs (each expert's FC1 output rows, sorted
+    probabilities, split sizes); outputs (each expert's activation rows, then each expert's
+    graph)."""
 
     name, kind, op_class = "expert_activation", "comp", "elementwise"
 
     def run(self, op, state):
         experts = _experts(state)
-        counts = state.take(op.inputs[2]).tokens_per_expert.tolist()
+        *fc1_names, probs_name, splits_name = op.inputs
+        parts = _expert_slices(state, splits_name)
+        probs = state.take(probs_name)
+        count = len(experts)
+        for i, (expert, part) in enumerate(zip(experts, parts)):
+            def region(inputs, expert=expert):
+                return expert_activation(expert, lambda: inputs.pop("x"), inputs.pop("probs"))
 
-        def region(inputs):
-            if not any(_has_fc1_bias(expert) for expert in experts):
-                # element-wise on every row alike: one call, the same values, no copies
-                fc1 = [inputs.pop("x")]
-                return expert_activation(experts[0], fc1.pop, inputs.pop("probs"))
-            fc1_parts = list(torch.split(inputs.pop("x"), counts))
-            prob_parts = torch.split(inputs.pop("probs"), counts)
-            outputs = []
-            for expert, probs in zip(experts, prob_parts):
-                outputs.append(expert_activation(expert, lambda: fc1_parts.pop(0), probs))
-            return torch.cat(outputs)
+            (output,), graph = LocalGraph.trace(
+                f"{op.id}.{i}", region,
+                {"x": state.take(fc1_names[i]), "probs": probs[part]},
+                [expert.linear_fc1.bias])
+            state.put(op.outputs[i], output)
+            state.put(op.outputs[count + i], graph)
 
-        params = [expert.linear_fc1.bias for expert in experts]
-        outputs, graph = LocalGraph.trace(
-            op.id, region, {"x": state.take(op.inputs[0]), "probs": state.take(op.inputs[1])},
-            params)
-        _put(op, state, outputs, graph)
+
+@register_kernel
+class ExpertRowsJoin(Kernel):
+    """The local experts' gradient rows back in row order, one `torch.cat` per output (what
+    autograd's backward of SequentialMLP's split computes). Inputs: each output's per-expert
+    parts, output by output; outputs: the joined rows."""
+
+    name, kind, op_class = "expert_rows_join", "comp", "permute"
+
+    def run(self, op, state):
+        per_output = len(op.inputs) // len(op.outputs)
+        for k, name in enumerate(op.outputs):
+            parts = [state.take(n) for n in op.inputs[k * per_output:(k + 1) * per_output]]
+            state.put(name, torch.cat(parts))
 
 
 @register_kernel
@@ -306,7 +337,7 @@ class UnsortFromExpert(Kernel):
         experts = _experts(state)
         *names, splits_name = op.inputs
         splits = state.take(splits_name)
-        counts = splits.tokens_per_expert.tolist()
+        counts = list(splits.tokens_per_expert)
         entered = {"x": state.take(names[0])}
         if len(names) == 2:
             entered["probs"] = state.take(names[1])
@@ -322,10 +353,6 @@ class UnsortFromExpert(Kernel):
         params = [expert.linear_fc2.bias for expert in experts]
         outputs, graph = LocalGraph.trace(op.id, region, entered, params)
         _put(op, state, outputs, graph)
-
-
-def _has_fc1_bias(expert) -> bool:
-    return getattr(expert.linear_fc1, "bias", None) is not None
 
 
 def _put(op, state, outputs, graph) -> None:

@@ -6,21 +6,28 @@ the dense layer's). Forward, 13 operators:
     combine.a2a, unpermute, bda2
 
 (`counts.ag` exchanges each rank's token count per expert over the expert-parallel group:
-the all-to-all split sizes are known only after routing); backward, 16 operators (15 when
-the experts have no biases):
+the all-to-all split sizes are known only after routing); backward, 12 + 5 x (local
+experts) operators (one fewer when the experts have no biases):
 
     bda2.bwd, unpermute.bwd, combine.a2a_grad, experts.unsort.bwd,
-    experts.fc2.dgrad, experts.fc2.wgrad, experts.act.bwd, experts.fc1.dgrad,
-    experts.fc1.wgrad, experts.probs_sum, experts.sort.bwd, dispatch.a2a_grad,
+    for each local expert i, the last first:
+        experts.fc2.dgrad.<i>, experts.fc2.wgrad.<i>, experts.act.bwd.<i>,
+        experts.fc1.dgrad.<i>, experts.fc1.wgrad.<i>,
+    experts.join, experts.probs_sum, experts.sort.bwd, dispatch.a2a_grad,
     permute.bwd, router.bwd, ln2.grad_sum, ln2.bwd
 
 The `experts.*` operators are the rank's local experts (megatron-core's SequentialMLP) taken
 apart as the dense MLP is: the received rows sorted by local expert, each expert's FC1 GEMM
 on its rows, each expert's own MLP code between the GEMMs (FC1 bias, activation, the
 routing probabilities), its FC2 GEMM, then its FC2 bias times the probabilities and the
-inverse sort. Each GEMM's backward is a dgrad and a movable wgrad (one operator each over
-all local experts, `expert_linear_*`). The routing probabilities feed the activation and
-the FC2 bias, so their gradient is a two-term sum (`experts.probs_sum`). The layer
+inverse sort. Between its GEMMs each expert's rows are values of their own, and the
+backward runs one expert's chain after the other (each GEMM's backward a dgrad and a
+movable wgrad, `expert_linear_*`), as megatron-core's autograd runs SequentialMLP's: an
+expert's saved rows and gradients are freed before the next expert's chain starts, so the
+layer's backward holds one expert's gradient rows at a time, not every local expert's.
+`experts.join` puts the experts' input-row and probability gradients back in row order
+(autograd's backward of SequentialMLP's split). The routing probabilities feed the
+activation and the FC2 bias, so their gradient is a two-term sum (`experts.probs_sum`). The layer
 input of the MLP half (`ln2.out`) feeds two readers, the router and the permutation, so its
 gradient is the sum of their two gradients (`ln2.grad_sum`; two terms, so the sum is
 bit-identical to autograd's accumulation in either order).
@@ -39,7 +46,7 @@ group is the expert-TP group, of size 1).
 Token-row values are `[rows, hidden]` (`[rows]` for the routing probabilities): `T` routed
 tokens of this rank (s * b), `T*k` rows after the permutation, and a variable number of
 rows received from the expert-parallel group (`VariableDim` "recv", bounded by
-`MoEDescription.received_high`).
+`MoEDescription.received_high`), of which local expert i gets "recv<i>".
 """
 
 from __future__ import annotations
@@ -80,30 +87,46 @@ def _expert_key(b, name: str, **dims) -> str:
                  **dims)
 
 
+def _expert_dim(d, expert: int) -> VariableDim:
+    """Rows one local expert receives: at most every token of every rank of the group."""
+    return VariableDim(f"recv{expert}", 0, d.moe.ep_size * d.tokens_local)
+
+
+def _one_expert_key(b, name: str, **dims) -> str:
+    """Cost key of an operator on one local expert's rows (its share of the routed rows)."""
+    d = b.desc
+    rows = d.tokens_local * d.moe.topk // d.moe.num_local_experts
+    return b.key(name, rows=rows, experts=1, **dims)
+
+
 def _experts_forward(b, recv) -> None:
     """The local experts on the received rows: sort by expert, FC1 GEMMs, activation with
-    the probabilities, FC2 GEMMs, FC2 bias with the probabilities and the inverse sort."""
+    the probabilities, FC2 GEMMs, FC2 bias with the probabilities and the inverse sort.
+    Between the GEMMs each expert's rows are a value of their own (`experts.fc1.out.<i>`,
+    `experts.act.out.<i>`, one activation graph each), as in megatron-core's SequentialMLP,
+    so the backward frees them expert by expert."""
     d = b.desc
     h, f = d.hidden_size, d.moe.ffn_hidden_size
     f1 = 2 * f if d.gated_linear_unit else f
+    experts = range(d.moe.num_local_experts)
     _rows(b, "experts.in", recv, h)
     _rows(b, "experts.probs", recv)
     b.op("fwd", "experts.sort", "moe_sort", COMP, "permute",
          ["dispatch.tokens", "dispatch.probs", "dispatch.splits"],
          ["experts.in", "experts.probs", b.graph("experts.sort.graph")],
          _expert_key(b, "expert_sort.fwd", h=h), module="mlp")
-    _rows(b, "experts.fc1.out", recv, f1)
+    fc1_out = [_rows(b, f"experts.fc1.out.{i}", _expert_dim(d, i), f1) for i in experts]
     b.op("fwd", "experts.fc1", "expert_linear_fwd", COMP, "gemm",
-         ["experts.in", "dispatch.splits"], ["experts.fc1.out"],
+         ["experts.in", "dispatch.splits"], fc1_out,
          _expert_key(b, "expert_linear.fwd", n=f1, k=h), linear="linear_fc1")
-    _rows(b, "experts.act.out", recv, f)
+    act_out = [_rows(b, f"experts.act.out.{i}", _expert_dim(d, i), f) for i in experts]
+    graphs = [b.graph(f"experts.act.graph.{i}") for i in experts]
     b.op("fwd", "experts.act", "expert_activation", COMP, "elementwise",
-         ["experts.fc1.out", "experts.probs", "dispatch.splits"],
-         ["experts.act.out", b.graph("experts.act.graph")],
+         [*fc1_out, "experts.probs", "dispatch.splits"], [*act_out, *graphs],
          _expert_key(b, f"expert_{d.activation_kernel}.fwd", f=f1, bias=d.add_bias_linear))
     _rows(b, "experts.fc2.out", recv, h)
     b.op("fwd", "experts.fc2", "expert_linear_fwd", COMP, "gemm",
-         ["experts.act.out", "dispatch.splits"], ["experts.fc2.out"],
+         [*act_out, "dispatch.splits"], ["experts.fc2.out"],
          _expert_key(b, "expert_linear.fwd", n=h, k=f), linear="linear_fc2")
     _rows(b, "experts.out", recv, h)
     probs = ["experts.probs"] if d.add_bias_linear else []
@@ -113,29 +136,34 @@ def _experts_forward(b, recv) -> None:
          _expert_key(b, "expert_unsort.fwd", h=h, bias=d.add_bias_linear), module="mlp")
 
 
-def _expert_gemm_backward(b, gemm: str, saved_input: str, grad_input: str, recv, n: int,
-                          k: int) -> None:
-    """The dgrad and the movable wgrad of the experts' `gemm` (fc1 / fc2: n output, k input
-    features), from `d.experts.<gemm>.out`."""
-    grad = f"d.experts.{gemm}.out"
-    _rows(b, grad_input, recv, k)
-    b.op("bwd", f"experts.{gemm}.dgrad", "expert_linear_dgrad", COMP, "gemm",
+def _expert_gemm_backward(b, expert: int, gemm: str, grad: str, saved_input: str,
+                          grad_input: str, n: int, k: int, stacked: str) -> None:
+    """Expert `expert`'s dgrad and movable wgrad of its `gemm` (fc1 / fc2: n output, k input
+    features) from the output gradient `grad`. `stacked` (kept as `attrs['stacked']`) is the
+    input that holds every local expert's rows (the kernels take this expert's); the other
+    is the expert's own."""
+    _rows(b, grad_input, _expert_dim(b.desc, expert), k)
+    b.op("bwd", f"experts.{gemm}.dgrad.{expert}", "expert_linear_dgrad", COMP, "gemm",
          [grad, "dispatch.splits"], [grad_input],
-         _expert_key(b, "expert_linear.dgrad", n=n, k=k), linear=f"linear_{gemm}")
-    b.op("bwd", f"experts.{gemm}.wgrad", "expert_linear_wgrad", COMP, "gemm",
+         _one_expert_key(b, "expert_linear.dgrad", n=n, k=k), linear=f"linear_{gemm}",
+         expert=expert, stacked=(grad,) if grad == stacked else ())
+    b.op("bwd", f"experts.{gemm}.wgrad.{expert}", "expert_linear_wgrad", COMP, "gemm",
          [grad, saved_input, "dispatch.splits"], [],
-         _expert_key(b, "expert_linear.wgrad", n=n, k=k), movable=True,
-         linear=f"linear_{gemm}")
+         _one_expert_key(b, "expert_linear.wgrad", n=n, k=k), movable=True,
+         linear=f"linear_{gemm}", expert=expert, stacked=(stacked,))
 
 
 def _experts_backward(b, recv) -> None:
-    """Backward of `_experts_forward`: each GEMM as a dgrad and a movable wgrad; the
-    probabilities' two gradients (activation, FC2 bias) summed when the experts have
-    biases."""
+    """Backward of `_experts_forward`, one local expert's chain after the other (the last
+    expert first, as megatron-core's autograd runs SequentialMLP's): its FC2 dgrad and
+    movable wgrad, its activation's graph, its FC1 dgrad and movable wgrad; then its input
+    rows' and probabilities' gradients joined in row order (`experts.join`) and, when the
+    experts have biases, the probabilities' two gradients (activation, FC2 bias) summed."""
     d = b.desc
     h, f = d.hidden_size, d.moe.ffn_hidden_size
     f1 = 2 * f if d.gated_linear_unit else f
     bias = d.add_bias_linear
+    experts = range(d.moe.num_local_experts)
     _rows(b, "d.experts.fc2.out", recv, h)
     probs_grads = ["d.experts.probs.bias"] if bias else []
     for name in probs_grads:
@@ -144,15 +172,26 @@ def _experts_backward(b, recv) -> None:
          ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
          _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
          grads_of=("x", "probs") if bias else ("x",))
-    _expert_gemm_backward(b, "fc2", "experts.act.out", "d.experts.act.out", recv, n=h, k=f)
-    _rows(b, "d.experts.fc1.out", recv, f1)
     act_probs = "d.experts.probs.act" if bias else "d.experts.probs"
+    for i in reversed(experts):
+        dim = _expert_dim(d, i)
+        _rows(b, f"d.experts.act.out.{i}", dim, f)
+        _expert_gemm_backward(b, i, "fc2", "d.experts.fc2.out", f"experts.act.out.{i}",
+                              f"d.experts.act.out.{i}", n=h, k=f, stacked="d.experts.fc2.out")
+        _rows(b, f"d.experts.fc1.out.{i}", dim, f1)
+        _rows(b, f"{act_probs}.{i}", dim)
+        b.op("bwd", f"experts.act.bwd.{i}", "graph_bwd", COMP, "elementwise",
+             [f"experts.act.graph.{i}", f"d.experts.act.out.{i}"],
+             [f"d.experts.fc1.out.{i}", f"{act_probs}.{i}"],
+             _one_expert_key(b, f"expert_{d.activation_kernel}.bwd", f=f1, bias=bias),
+             grads_of=("x", "probs"))
+        _expert_gemm_backward(b, i, "fc1", f"d.experts.fc1.out.{i}", "experts.in",
+                              f"d.experts.in.{i}", n=f1, k=h, stacked="experts.in")
+    _rows(b, "d.experts.in", recv, h)
     _rows(b, act_probs, recv)
-    b.op("bwd", "experts.act.bwd", "graph_bwd", COMP, "elementwise",
-         ["experts.act.graph", "d.experts.act.out"], ["d.experts.fc1.out", act_probs],
-         _expert_key(b, f"expert_{d.activation_kernel}.bwd", f=f1, bias=bias),
-         grads_of=("x", "probs"))
-    _expert_gemm_backward(b, "fc1", "experts.in", "d.experts.in", recv, n=f1, k=h)
+    b.op("bwd", "experts.join", "expert_rows_join", COMP, "permute",
+         [*(f"d.experts.in.{i}" for i in experts), *(f"{act_probs}.{i}" for i in experts)],
+         ["d.experts.in", act_probs], _expert_key(b, "expert_join.bwd", h=h))
     if bias:
         _rows(b, "d.experts.probs", recv)
         b.op("bwd", "experts.probs_sum", "grad_sum", COMP, "elementwise",

@@ -60,15 +60,15 @@ def test_ops_lists_the_moe_operators_of_a_mixed_stack(tmp_path, capsys):
     assert main(["ops", *PRESET, *MOE, "--export-dag", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "stack: MoE layers [0, 2], dense layers [1, 3]" in out
-    assert "forward program: 18 operators" in out and "backward program: 23 operators" in out
+    assert "forward program: 18 operators" in out and "backward program: 29 operators" in out
     for op_id in ("router", "counts.ag", "dispatch.a2a", "experts.fc1", "combine.a2a",
-                  "experts.fc1.wgrad", "dispatch.a2a_grad"):
+                  "experts.fc1.wgrad.0", "experts.join", "dispatch.a2a_grad"):
         assert f"\n{op_id} " in out, op_id
     # EP=2 with one rank per node: the all-to-alls cross nodes
     assert "all_to_all(rows=256,h=128)/float32/g2/inter" in out
     assert "dispatch.splits (run-time metadata)" in out
     assert "planned layer pair by layer pair at --dhelix start-up" in out
-    assert len(load_dag(tmp_path / "bwd.json").ops) == 23
+    assert len(load_dag(tmp_path / "bwd.json").ops) == 29
     assert main(["ops", *PRESET, *MOE, "--layer", "1", "--direction", "fwd"]) == 0
     out = capsys.readouterr().out
     assert "forward program: 10 operators" in out and "\nfc1 " in out

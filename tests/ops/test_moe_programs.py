@@ -22,9 +22,12 @@ from tests.megatron_lm_ranks import TINY
 MOE_FWD = ["ln2", "router", "counts.ag", "permute", "dispatch.a2a", "experts.sort",
            "experts.fc1", "experts.act", "experts.fc2", "experts.unsort", "combine.a2a",
            "unpermute", "bda2"]
+# each local expert's backward chain, the last expert first (2 local experts)
+EXPERT_CHAIN = ["experts.fc2.dgrad.{i}", "experts.fc2.wgrad.{i}", "experts.act.bwd.{i}",
+                "experts.fc1.dgrad.{i}", "experts.fc1.wgrad.{i}"]
 MOE_BWD = ["bda2.bwd", "unpermute.bwd", "combine.a2a_grad", "experts.unsort.bwd",
-           "experts.fc2.dgrad", "experts.fc2.wgrad", "experts.act.bwd", "experts.fc1.dgrad",
-           "experts.fc1.wgrad", "experts.probs_sum", "experts.sort.bwd", "dispatch.a2a_grad",
+           *(op.format(i=1) for op in EXPERT_CHAIN), *(op.format(i=0) for op in EXPERT_CHAIN),
+           "experts.join", "experts.probs_sum", "experts.sort.bwd", "dispatch.a2a_grad",
            "permute.bwd", "router.bwd", "ln2.grad_sum", "ln2.bwd"]
 MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
             "alltoall", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"]
@@ -42,7 +45,7 @@ def describe_moe(ranks_per_node=None, ep_ranks=(0, 1), **moe):
 def test_moe_mlp_operators():
     programs = build_layer_programs(describe_moe())
     assert programs.forward.ids[5:] == MOE_FWD
-    assert programs.backward.ids[:16] == MOE_BWD
+    assert programs.backward.ids[:len(MOE_BWD)] == MOE_BWD
     # the attention half is the dense layer's
     assert programs.forward.ids[:5] == ["ln1", "qkv", "attn", "proj", "bda1"]
     comm = {op.id: op for op in (*programs.forward.ops, *programs.backward.ops)
@@ -60,12 +63,28 @@ def test_moe_mlp_operators():
     assert programs.backward["ln2.grad_sum"].deps == ("permute.bwd", "router.bwd")
     assert fwd["experts.fc1"].cost_key == ("expert_linear.fwd(rows=32,experts=2,n=96,k=64)"
                                            "/float32")
+    # between the GEMMs each expert's rows are its own values, one graph per expert
+    assert fwd["experts.fc1"].outputs == ("experts.fc1.out.0", "experts.fc1.out.1")
+    assert fwd["experts.act"].outputs == ("experts.act.out.0", "experts.act.out.1",
+                                          "experts.act.graph.0", "experts.act.graph.1")
+    assert fwd["experts.fc2"].outputs == ("experts.fc2.out",)
+    assert programs.values["experts.act.out.1"].shape == (VariableDim("recv1", 0, 32), 96)
     bwd = programs.backward
-    # each expert GEMM's backward: a dgrad and a movable wgrad (reading the saved input)
+    # each expert GEMM's backward: a dgrad and a movable wgrad (reading the saved input),
+    # expert by expert
     assert {op.id for op in bwd.ops if op.movable} == {
-        "experts.fc1.wgrad", "experts.fc2.wgrad", "proj.wgrad", "qkv.wgrad"}
-    assert bwd["experts.fc1.wgrad"].deps == ("experts.act.bwd",)
-    assert "experts.in" in programs.saved and "experts.act.out" in programs.saved
+        "experts.fc1.wgrad.0", "experts.fc1.wgrad.1", "experts.fc2.wgrad.0",
+        "experts.fc2.wgrad.1", "proj.wgrad", "qkv.wgrad"}
+    assert bwd["experts.fc1.wgrad.0"].deps == ("experts.act.bwd.0",)
+    assert bwd["experts.act.bwd.0"].deps == ("experts.fc2.dgrad.0",)
+    assert bwd["experts.fc1.dgrad.1"].attrs["stacked"] == ()
+    assert bwd["experts.fc1.wgrad.1"].attrs["stacked"] == ("experts.in",)
+    assert bwd["experts.fc2.dgrad.1"].attrs["stacked"] == ("d.experts.fc2.out",)
+    assert bwd["experts.fc2.dgrad.0"].cost_key == (
+        "expert_linear.dgrad(rows=16,experts=1,n=64,k=96)/float32")
+    assert set(bwd["experts.join"].deps) == {"experts.fc1.dgrad.0", "experts.fc1.dgrad.1",
+                                             "experts.act.bwd.0", "experts.act.bwd.1"}
+    assert "experts.in" in programs.saved and "experts.act.out.0" in programs.saved
     # without biases the probabilities have one gradient: no sum
     no_bias = build_layer_programs(replace(describe_moe(), add_bias_linear=False))
     assert "experts.probs_sum" not in no_bias.backward.ids
@@ -207,7 +226,7 @@ def test_shared_expert_gemms_are_independent_of_the_all_to_alls():
         + MOE_FWD[5:-1] + ["shared.add", "bda2"]
     shared_bwd = ["shared.fc2.dgrad", "shared.fc2.wgrad", "shared.act.bwd", "shared.fc1.dgrad",
                   "shared.fc1.wgrad"]
-    assert bwd.ids[:16 + 5] == MOE_BWD[:3] + shared_bwd + MOE_BWD[3:]
+    assert bwd.ids[:len(MOE_BWD) + 5] == MOE_BWD[:3] + shared_bwd + MOE_BWD[3:]
     assert fwd["shared.fc1"].deps == ("ln2",)
     assert fwd["shared.fc1"].cost_key == "linear.fwd(m=16,n=80,k=64,bias=0)/float32"
     assert fwd["shared.fc1"].attrs["module"] == "mlp.shared_experts.linear_fc1"
