@@ -235,7 +235,7 @@ def _global_buffer():
     return parallel_state.get_global_memory_buffer().buffer
 
 
-def memory_check(tp: int, sp: bool, repeats: int = 9) -> dict:
+def memory_check(tp: int, sp: bool, repeats: int = 15) -> dict:
     """Peak live tensor bytes of forward+backward of the tiny preset's layer stack: Megatron
     autograd vs programs, measured with `dhelix.memtrace` (compute-thread reading; the
     all-threads reading, which includes gloo's staging buffers, is reported too).
@@ -244,11 +244,13 @@ def memory_check(tp: int, sp: bool, repeats: int = 9) -> dict:
     path starts with an empty buffer, runs once to warm up, and the bytes its buffer then
     holds are reported and added to its total (Megatron uses it for the core-attention
     scratch and, with SP, for every all-gather; the programs only for the attention
-    scratch). Both paths get the same pre-made input and output gradient; the smallest of
-    `repeats` readings is kept: gloo's worker thread drops its references to a collective's
-    tensors a moment after the wait returns, so on a loaded machine a reading sometimes
-    holds one more collective buffer (measured on 4 ranks, 2 cores, SP: 1.011x in 22 of 24
-    readings, 1.022x in 2; a 1.055x reading failed CI once with 5 repeats)."""
+    scratch). Both paths get the same pre-made input and output gradient; their `repeats`
+    readings alternate (so both see the same load) and the smallest of each is kept: gloo's
+    worker thread drops its references to a collective's tensors a moment after the wait
+    returns, so on a loaded machine a reading sometimes holds one more collective buffer
+    (measured on 4 ranks, 2 cores, SP: 1.011x in 22 of 24 readings, 1.022x in 2; a 1.055x
+    reading failed CI once with 5 repeats and once with 9, the paths then measured one
+    after the other). Every reading is in the row (`<path>_readings`)."""
     variant = COVERING_VARIANTS[0]
     args = variant_args(variant, tp, sp, preset=True)
     _, layers, rotary = build_layers(args)
@@ -258,19 +260,26 @@ def memory_check(tp: int, sp: bool, repeats: int = 9) -> dict:
     paths = {"megatron": lambda: megatron_path(layers, x, dy, rotary),
              "programs": lambda: program_path(stack, x, dy, rotary)}
     row = {"tp": tp, "sp": sp, "layers": args.num_layers}
+    readings, persistent = {label: [] for label in paths}, {}
     for label, run in paths.items():
         _global_buffer().clear()
         clear_grads(layers)
         run()
-        readings = []
-        for _ in range(repeats):
+        persistent[label] = sum(t.numel() * t.element_size()
+                                for t in _global_buffer().values())
+    for run in paths.values():  # both paths' buffer entries exist before any reading
+        clear_grads(layers)
+        run()
+    for _ in range(repeats):  # the paths alternate, so both see the same load
+        for label, run in paths.items():
             clear_grads(layers)
-            readings.append(measure_peak(run)[1])
-        persistent = sum(t.numel() * t.element_size() for t in _global_buffer().values())
-        row[f"{label}_peak"] = min(r.compute_peak_bytes for r in readings)
-        row[f"{label}_all_threads_peak"] = min(r.peak_bytes for r in readings)
-        row[f"{label}_persistent"] = persistent
-        row[f"{label}_bytes"] = row[f"{label}_peak"] + persistent
+            readings[label].append(measure_peak(run)[1])
+    for label in paths:
+        row[f"{label}_peak"] = min(r.compute_peak_bytes for r in readings[label])
+        row[f"{label}_all_threads_peak"] = min(r.peak_bytes for r in readings[label])
+        row[f"{label}_persistent"] = persistent[label]
+        row[f"{label}_bytes"] = row[f"{label}_peak"] + persistent[label]
+        row[f"{label}_readings"] = [r.compute_peak_bytes for r in readings[label]]
     row["ratio"] = row["programs_bytes"] / row["megatron_bytes"]
     row["peak_ratio"] = row["programs_peak"] / row["megatron_peak"]
     row["all_threads_peak_ratio"] = (row["programs_all_threads_peak"]
