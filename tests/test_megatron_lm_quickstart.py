@@ -27,15 +27,17 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*5 \|.*?lm loss: (\S+)")
 VALIDATION = re.compile(r"validation loss at iteration 5\b.*?\| lm loss value: (\S+) \|")
 
 
-def _train(extra, compile_warmup: bool = True):
-    """Run the quick start with `extra` under torchrun, in a shell's environment. Without
+def _train(extra, compile_warmup: bool = True, ranks: int = 4):
+    """Run the quick start with `extra` on `ranks` ranks under torchrun, in a shell's
+    environment. Without
     `compile_warmup`, Megatron's JIT warm-up runs eagerly (`TORCH_COMPILE_DISABLE=1`,
     as the other tests' processes run, tests/conftest.py): on CPU nothing the warm-up
     compiles is called by the model, and compiling it costs each of the 4 ranks ~5 s."""
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     if not compile_warmup:
         env["TORCH_COMPILE_DISABLE"] = "1"
-    proc = subprocess.run([TORCHRUN, *QUICK_START, *extra], cwd=ROOT, capture_output=True,
+    command = [TORCHRUN, "--nproc-per-node", str(ranks), *QUICK_START[2:], *extra]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True,
                           text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = {int(i): float(v) for i, v in LOSS.findall(proc.stdout)}
@@ -58,14 +60,14 @@ def test_quick_start_with_and_without_dhelix():
 
 
 def test_quick_start_without_pipelining_with_and_without_dhelix():
-    """The same command line with PP=1 (TP2 x DP2): --dhelix trains with the one-stage SI
-    list and evaluate() runs the forward-only list on the same engine (not Megatron's
-    schedule); training and validation losses are Megatron's. The JIT warm-up runs eagerly
-    here (the PP=2 test above keeps the compiled one, whose random draws the folded model
-    replays)."""
+    """The same command line with PP=1 on 2 ranks (TP=2; data parallelism through the plugin
+    is in tests/test_megatron_lm_parity.py): --dhelix trains with the one-stage SI list and
+    evaluate() runs the forward-only list on the same engine (not Megatron's schedule);
+    training and validation losses are Megatron's. The JIT warm-up runs eagerly here (the
+    PP=2 test above keeps the compiled one, whose random draws the folded model replays)."""
     pp1 = ["--pipeline-model-parallel-size", "1"]  # the last value wins
-    stock, _ = _train(pp1, compile_warmup=False)
-    dhelix, out = _train(pp1 + ["--dhelix"], compile_warmup=False)
+    stock, _ = _train(pp1, compile_warmup=False, ranks=2)
+    dhelix, out = _train(pp1 + ["--dhelix"], compile_warmup=False, ranks=2)
     assert "dhelix: SI schedule" in out
     print(f"stock: {stock}\n--dhelix: {dhelix}")
     for i in stock:
