@@ -14,8 +14,9 @@ pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+# the README's command after `torchrun --nproc-per-node 4` (`_train` gives the rank count)
 QUICK_START = [
-    "--nproc-per-node", "4", "-m", "dhelix.megatron_lm", "scripts/pretrain_gpt.py",
+    "-m", "dhelix.megatron_lm", "scripts/pretrain_gpt.py",
     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
     "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "1024",
@@ -29,16 +30,16 @@ VALIDATION = re.compile(r"validation loss at iteration 5\b.*?\| lm loss value: (
 
 def _train(extra, compile_warmup: bool = True, ranks: int = 4):
     """Run the quick start with `extra` on `ranks` ranks under torchrun, in a shell's
-    environment. Without
-    `compile_warmup`, Megatron's JIT warm-up runs eagerly (`TORCH_COMPILE_DISABLE=1`,
-    as the other tests' processes run, tests/conftest.py): on CPU nothing the warm-up
-    compiles is called by the model, and compiling it costs each of the 4 ranks ~5 s."""
+    environment. Without `compile_warmup`, Megatron's JIT warm-up runs eagerly
+    (`TORCH_COMPILE_DISABLE=1`, as the other tests' processes run, tests/conftest.py): on
+    CPU nothing the warm-up compiles is called by the model, and compiling it costs each
+    rank ~5 s."""
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     if not compile_warmup:
         env["TORCH_COMPILE_DISABLE"] = "1"
-    command = [TORCHRUN, "--nproc-per-node", str(ranks), *QUICK_START[2:], *extra]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True,
-                          text=True, timeout=280, env=env)
+    command = [TORCHRUN, "--nproc-per-node", str(ranks), *QUICK_START, *extra]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = {int(i): float(v) for i, v in LOSS.findall(proc.stdout)}
     assert sorted(losses) == [1, 2, 3, 4, 5], proc.stdout[-3000:]

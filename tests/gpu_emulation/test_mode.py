@@ -276,6 +276,7 @@ def _router_under_the_mode(ctx):
     """A megatron-core TopKRouter (hidden 256, 4096 tokens, top-2 of 4 experts: its logits
     and routing map are above cheap_numel) under the mode, with and without
     `routing_regions`."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -288,8 +289,6 @@ def _router_under_the_mode(ctx):
         num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
         moe_router_topk=2, moe_aux_loss_coeff=0.0, use_cpu_initialization=True,
         moe_router_load_balancing_type="none")
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     router = TopKRouter(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(
         required_pgs=["tp", "cp", "tp_cp", "tp_dp_cp"]))
     hidden = torch.randn(2048, 2, 256)
