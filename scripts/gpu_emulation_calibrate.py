@@ -19,7 +19,7 @@ initialised (the model is built under the mode).
 `core_transformer_config_from_args` and `Float16Module`): a bf16 softmax
 (`attention_softmax_in_fp32=False`, charged at the profile's attention rescaled to the
 bf16-softmax bytes, `kernel_model.CoreAttentionTrace`) and bf16 norm weights (one fused
-kernel per norm, `regions.fused_norm_regions`); `profile` runs the profiled layer's (fp32
+kernel per norm, `regions.fused_rms_norms`); `profile` runs the profiled layer's (fp32
 softmax, fp32 norm weights). `--host-latency zero-kernel` takes the latency measured by the
 profile's zero-kernel entries off its memory-bound and attention entries
 (`kernel_model.zero_kernel_latency_ms`); a number, that many ms; 0 none.
@@ -88,7 +88,7 @@ def _step(ctx, profile_path, trace, host_latency, layer_config, num_layers, time
 
     from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
     from dhelix.gpu_emulation.profile_fit import fit_emulation_model
-    from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions
+    from dhelix.gpu_emulation.regions import attention_regions, fused_rms_norms
     from profiler.profile_file import load_profile
 
     model_fit = fit_emulation_model(load_profile(profile_path), trace, host_latency)
@@ -127,7 +127,7 @@ def _step(ctx, profile_path, trace, host_latency, layer_config, num_layers, time
             forward_only=False)
         optimizer.step()
 
-    with attention_regions(gpt), fused_norm_regions(gpt) if step_config else (
+    with attention_regions(gpt), fused_rms_norms() if step_config else (
             contextlib.nullcontext()):
         with GpuEmulationMode(model_fit, EmulationConfig(time_scale=time_scale)):
             train_step()  # warm-up: first-call host costs

@@ -5,10 +5,11 @@ each model-running call enters.
 launch's spec): the profile file, its layer's trace (`profile_fit.trace_profile_layer`,
 taken once by the launcher), the time scale S and the overlap slowdown. `emulated_call(
 chunks, model, config)` opens, for one call (a training step, a forward/backward), the
-regions of every model chunk (`regions.attention_regions`, `regions.fused_norm_regions`) and
-a fresh `GpuEmulationMode`, and yields the mode (its `report()` is that call's modelled
-kernel time). The link the collectives cross must be slowed by the same S
-(`emulated_link_rate`) so computation and communication keep the GPU cluster's ratio.
+regions of every model chunk (`regions.attention_regions`), the fused RMSNorms
+(`regions.fused_rms_norms`) and a fresh `GpuEmulationMode`, and yields the mode (its
+`report()` is that call's modelled kernel time). The link the collectives cross must be
+slowed by the same S (`emulated_link_rate`) so computation and communication keep the GPU
+cluster's ratio.
 `trace_profile(path)` takes the trace (a 1-rank process of its own); `GpuEmulation.building`
 is the mode to build a model under (nothing computed, nothing touched); `EmulatedCalls`
 runs one call at a time under `emulated_call` and drains the current call's stream on
@@ -59,10 +60,12 @@ class GpuEmulation:
         optimizer state and gradient buffers without computing or touching anything, so
         Llama-8B layer shapes cost virtual memory only (the weights are garbage; timing
         only). MoE routers run under it route for real (`regions.routing_regions`: the
-        set-up's memory measurement runs the layer)."""
-        from dhelix.gpu_emulation.regions import routing_regions
+        set-up's memory measurement runs the layer), and RMSNorms allocate as the steps'
+        do (`regions.fused_rms_norms`: the memory the set-up measures for the plan's bound
+        is the one the steps have)."""
+        from dhelix.gpu_emulation.regions import fused_rms_norms, routing_regions
 
-        with routing_regions(), GpuEmulationMode(
+        with routing_regions(), fused_rms_norms(), GpuEmulationMode(
                 model or self.kernel_model(), EmulationConfig(time_scale=1e-9)) as mode:
             yield mode
 
@@ -89,13 +92,14 @@ def emulated_link_rate(bits_per_s: int, time_scale: float) -> int:
 @contextmanager
 def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig,
                   durations: CollectiveDurations | None = None):
-    """Open the core-attention and fused-norm regions of every module in `chunks` (a model
-    chunk or a list of them), the real MoE routing of any router
-    (`regions.routing_regions`) and a new `GpuEmulationMode(model, config, durations)`; yields
-    the mode. Leaving drains the emulated stream (the host waits for the last kernel). The
-    calling thread is named the emulated GPU's host thread (`host_threads`). Pass the
-    process's `durations` to every call so the modes forecast collectives from the start."""
-    from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions, \
+    """Open the core-attention regions of every module in `chunks` (a model chunk or a
+    list of them), the fused RMSNorms (`regions.fused_rms_norms`), the real MoE routing of
+    any router (`regions.routing_regions`) and a new `GpuEmulationMode(model, config,
+    durations)`; yields the mode. Leaving drains the emulated stream (the host waits for the
+    last kernel). The calling thread is named the emulated GPU's host thread
+    (`host_threads`). Pass the process's `durations` to every call so the modes forecast
+    collectives from the start."""
+    from dhelix.gpu_emulation.regions import attention_regions, fused_rms_norms, \
         routing_regions
 
     chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
@@ -104,7 +108,7 @@ def emulated_call(chunks, model: KernelTimeModel, config: EmulationConfig,
     with ExitStack() as stack:
         for chunk in chunks:
             stack.enter_context(attention_regions(chunk))
-            stack.enter_context(fused_norm_regions(chunk))
+        stack.enter_context(fused_rms_norms())
         stack.enter_context(routing_regions())
         with mode:
             yield mode

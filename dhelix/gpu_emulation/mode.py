@@ -331,6 +331,11 @@ class GpuEmulationMode(TorchDispatchMode):
         self._charge(term, op_name(func), ms, nbytes)
         return out
 
+    def fakes(self, *tensors: torch.Tensor) -> bool:
+        """Whether a (non-GEMM) compute operator on `tensors` would be faked here rather
+        than run for real (`_runs_for_real`)."""
+        return not self._runs_for_real(list(tensors))
+
     def _runs_for_real(self, tensors: list, gemm: bool = False) -> bool:
         """Whether an operator on (or making) `tensors` runs for real: all of them at most
         `cheap_numel` elements, all index data, or inside a real scope unless a GEMM."""

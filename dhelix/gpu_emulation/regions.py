@@ -26,6 +26,10 @@ and the kernels around it add up to the profile's entry.
 
 The hooks stay registered while the context is open, across modes: a forward run under one
 mode and its backward under another (the profile trace) charge each its own mode.
+
+Also here: `fused_rms_norms`, RMSNorms with weights in their input's dtype run as CUDA's
+fused kernels (charged once each way, and allocating and saving what those kernels do),
+and `routing_regions`, MoE routers routing for real under the emulation.
 """
 
 from __future__ import annotations
@@ -138,35 +142,102 @@ def fused_norm_ms(mode: GpuEmulationMode, x: torch.Tensor, phase: str) -> float:
     return mode.model.memory_ms(nominal_bytes(key), "norm")
 
 
-@contextmanager
-def fused_norm_regions(model: torch.nn.Module):
-    """While open, every `torch.nn.RMSNorm` in `model` whose weight has its input's dtype
-    (Megatron-LM's `Float16Module` casts the norm weights to bf16) charges its forward and
-    backward as one fused kernel each (`fused_norm_ms`, term "norm.fused.<phase>"), the
-    aten kernels of torch's decomposition inside absorbed: on CUDA torch runs such a norm as
-    one fused kernel, on CPU it reaches the dispatcher decomposed (casts, pow, mean, rsqrt,
-    muls). A norm with an fp32 weight against a bf16 input (what the profile timed) takes
-    torch's unfused path on CUDA too, gets no region and stays charged per aten kernel.
-    Same hook points as `attention_regions`; regions do not nest (a norm is never inside a
-    core attention)."""
+class _FusedRMSNorm(torch.autograd.Function):
+    """An RMSNorm as CUDA's fused kernels run it (`torch.ops.aten._fused_rms_norm` and its
+    backward), under a `GpuEmulationMode`: each direction is one kernel charged as a region
+    (`fused_norm_ms`, terms "norm.fused.fwd/bwd"), and it allocates what those kernels
+    allocate: forward the output and the fp32 rstd ([..., 1]), backward the input's and the
+    weight's gradients; it saves the input, rstd and the weight for the backward. On CPU
+    torch's RMSNorm is a decomposition (casts, pow, mean, rsqrt, muls) whose autograd saves
+    fp32 copies of the input (at Llama-8B shapes 96 MiB a norm and micro-batch where the
+    fused kernel keeps a 16 KiB rstd) and whose backward holds several more: memory a GPU
+    run does not have. Outputs are empty (garbage, timing only) where the mode fakes the
+    input (`GpuEmulationMode.fakes`), else computed for real by the same formula."""
 
-    def fused(module, dtype) -> bool:
-        return module.weight is not None and module.weight.dtype == dtype
-
-    def forward_pre(module, args, kwargs):
-        x = args[0] if args else kwargs["input"]
+    @staticmethod
+    def forward(ctx, x, weight, dims, eps):
         mode = active_mode()
-        if mode is not None and fused(module, x.dtype):
+        if mode is not None:
             mode.enter_region("norm.fused.fwd", fused_norm_ms(mode, x, "fwd"))
+        try:
+            if mode is not None and mode.fakes(x):
+                y = torch.empty_like(x)
+                rstd = torch.empty(_stats_shape(x, dims), dtype=torch.float32, device=x.device)
+            else:
+                xf = x.float()
+                rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
+                y = (xf * rstd).to(x.dtype) * weight
+        finally:
+            if mode is not None:
+                mode.exit_region()
+        ctx.dims = dims
+        ctx.save_for_backward(x, rstd, weight)
+        return y
 
-    def backward_pre(module, grad_output):
-        grad = grad_output[0]
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        dims = ctx.dims
         mode = active_mode()
-        if mode is not None and grad is not None and fused(module, grad.dtype):
+        if mode is not None:
             mode.enter_region("norm.fused.bwd", fused_norm_ms(mode, grad, "bwd"))
+        try:
+            if mode is not None and mode.fakes(x, grad):
+                grad_x, grad_w = torch.empty_like(x), torch.empty_like(weight)
+            else:
+                normed = x.float() * rstd
+                grad_f = grad.float()
+                batch = tuple(range(grad.dim() - len(dims)))
+                grad_w = (grad_f * normed).sum(batch).to(weight.dtype)
+                scaled = grad_f * weight.float()
+                grad_x = (rstd * (scaled - normed * (scaled * normed).mean(dims, keepdim=True))
+                          ).to(x.dtype)
+        finally:
+            if mode is not None:
+                mode.exit_region()
+        return grad_x, grad_w, None, None
 
-    with _region_hooks(model, torch.nn.RMSNorm, forward_pre, backward_pre):
+
+def _stats_shape(x: torch.Tensor, dims: tuple) -> tuple:
+    return tuple(x.shape[:x.dim() - len(dims)]) + (1,) * len(dims)
+
+
+_RMS_NORM_FORWARD = torch.nn.RMSNorm.forward
+_fused_norm_contexts = [0]  # open `fused_rms_norms` contexts in this process
+
+
+def _rms_norm_forward(module: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`torch.nn.RMSNorm.forward` while `fused_rms_norms` is open: `_FusedRMSNorm` under a
+    `GpuEmulationMode` (outside any region) for a weight of the input's dtype, else
+    torch's own."""
+    mode = active_mode()
+    if (mode is None or mode.in_region or module.weight is None
+            or module.weight.dtype != x.dtype):
+        return _RMS_NORM_FORWARD(module, x)
+    dims = tuple(range(-len(module.normalized_shape), 0))
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    return _FusedRMSNorm.apply(x, module.weight, dims, eps)
+
+
+@contextmanager
+def fused_rms_norms():
+    """While open (re-entrant; process-wide), every `torch.nn.RMSNorm` whose weight has its
+    input's dtype (Megatron-LM's `Float16Module` casts a `--bf16` model's norm weights to
+    bf16), called under a `GpuEmulationMode`, runs as CUDA's fused kernels do: one kernel
+    each way at the model's norm bandwidth (`fused_norm_ms`: its nominal bytes, terms
+    "norm.fused.fwd/bwd") and their allocations (`_FusedRMSNorm`). Megatron's norms and
+    dhelix's norm operators (which call the same modules) alike. A norm with an fp32 weight
+    against a bf16 input (what the profile timed) takes torch's unfused path on CUDA too
+    and runs unchanged, charged per aten kernel; so does any norm with no mode active."""
+    if not _fused_norm_contexts[0]:
+        torch.nn.RMSNorm.forward = _rms_norm_forward
+    _fused_norm_contexts[0] += 1
+    try:
         yield
+    finally:
+        _fused_norm_contexts[0] -= 1
+        if not _fused_norm_contexts[0]:
+            torch.nn.RMSNorm.forward = _RMS_NORM_FORWARD
 
 
 @contextmanager

@@ -35,7 +35,7 @@ def _trace_and_region(ctx):
 
     from dhelix.gpu_emulation.kernel_model import CostKey, fit_kernel_model, nominal_bytes
     from dhelix.gpu_emulation.mode import EmulationConfig, GpuEmulationMode
-    from dhelix.gpu_emulation.regions import attention_regions, fused_norm_regions
+    from dhelix.gpu_emulation.regions import attention_regions, fused_rms_norms
     from profiler.profile_file import load_profile
     from dhelix.gpu_emulation.profile_fit import fit_emulation_model, trace_profile_layer
     from tests.gpu_emulation.test_mode import _gpt_layer
@@ -67,7 +67,7 @@ def _trace_and_region(ctx):
                               layer_number=1).bfloat16()
     xb = torch.randn(256, 2, 512, dtype=torch.bfloat16, requires_grad=True)
     step = GpuEmulationMode(step_model, EmulationConfig(time_scale=1e-6))
-    with attention_regions(step_layer), fused_norm_regions(step_layer), step:
+    with attention_regions(step_layer), fused_rms_norms(), step:
         step_layer(xb)[0].sum().backward()
     out["step_terms"] = {k: (v.count, v.modelled_ms) for k, v in step.report().by_term.items()}
     out["step_ops"] = sorted(step.report().by_op)
