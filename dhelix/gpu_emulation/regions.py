@@ -179,7 +179,8 @@ class _FusedRMSNorm(torch.autograd.Function):
         x, rstd, weight = ctx.saved_tensors
         dims = ctx.dims
         mode = active_mode()
-        if mode is not None:
+        charged = mode is not None and not mode.in_region  # (inside a region: its charge)
+        if charged:
             mode.enter_region("norm.fused.bwd", fused_norm_ms(mode, grad, "bwd"))
         try:
             if mode is not None and mode.fakes(x, grad):
@@ -193,7 +194,7 @@ class _FusedRMSNorm(torch.autograd.Function):
                 grad_x = (rstd * (scaled - normed * (scaled * normed).mean(dims, keepdim=True))
                           ).to(x.dtype)
         finally:
-            if mode is not None:
+            if charged:
                 mode.exit_region()
         return grad_x, grad_w, None, None
 
@@ -202,8 +203,10 @@ def _stats_shape(x: torch.Tensor, dims: tuple) -> tuple:
     return tuple(x.shape[:x.dim() - len(dims)]) + (1,) * len(dims)
 
 
-_RMS_NORM_FORWARD = torch.nn.RMSNorm.forward
-_fused_norm_contexts = [0]  # open `fused_rms_norms` contexts in this process
+_RMS_NORM_FORWARD = torch.nn.RMSNorm.forward  # torch's own, which `_rms_norm_forward` calls
+# open `fused_rms_norms` contexts in this process, and the class's forward the first one
+# replaced (restored when the last one closes)
+_fused_norms = {"open": 0, "replaced": None}
 
 
 def _rms_norm_forward(module: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -229,15 +232,17 @@ def fused_rms_norms():
     dhelix's norm operators (which call the same modules) alike. A norm with an fp32 weight
     against a bf16 input (what the profile timed) takes torch's unfused path on CUDA too
     and runs unchanged, charged per aten kernel; so does any norm with no mode active."""
-    if not _fused_norm_contexts[0]:
+    if not _fused_norms["open"]:
+        _fused_norms["replaced"] = torch.nn.RMSNorm.forward
         torch.nn.RMSNorm.forward = _rms_norm_forward
-    _fused_norm_contexts[0] += 1
+    _fused_norms["open"] += 1
     try:
         yield
     finally:
-        _fused_norm_contexts[0] -= 1
-        if not _fused_norm_contexts[0]:
-            torch.nn.RMSNorm.forward = _RMS_NORM_FORWARD
+        _fused_norms["open"] -= 1
+        if not _fused_norms["open"]:
+            torch.nn.RMSNorm.forward = _fused_norms.pop("replaced")
+            _fused_norms["replaced"] = None
 
 
 @contextmanager
