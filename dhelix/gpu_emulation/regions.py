@@ -35,6 +35,8 @@ and `routing_regions`, MoE routers routing for real under the emulation.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -204,9 +206,18 @@ def _stats_shape(x: torch.Tensor, dims: tuple) -> tuple:
 
 
 _RMS_NORM_FORWARD = torch.nn.RMSNorm.forward  # torch's own, which `_rms_norm_forward` calls
-# open `fused_rms_norms` contexts in this process, and the class's forward the first one
-# replaced (restored when the last one closes)
-_fused_norms = {"open": 0, "replaced": None}
+
+
+@dataclass
+class _NormPatch:
+    """This process's `fused_rms_norms` contexts: how many are open, and the class's forward
+    the first one replaced (restored when the last one closes)."""
+
+    open: int = 0
+    replaced: Callable | None = None
+
+
+_NORM_PATCH = _NormPatch()
 
 
 def _rms_norm_forward(module: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -232,17 +243,16 @@ def fused_rms_norms():
     dhelix's norm operators (which call the same modules) alike. A norm with an fp32 weight
     against a bf16 input (what the profile timed) takes torch's unfused path on CUDA too
     and runs unchanged, charged per aten kernel; so does any norm with no mode active."""
-    if not _fused_norms["open"]:
-        _fused_norms["replaced"] = torch.nn.RMSNorm.forward
+    if not _NORM_PATCH.open:
+        _NORM_PATCH.replaced = torch.nn.RMSNorm.forward
         torch.nn.RMSNorm.forward = _rms_norm_forward
-    _fused_norms["open"] += 1
+    _NORM_PATCH.open += 1
     try:
         yield
     finally:
-        _fused_norms["open"] -= 1
-        if not _fused_norms["open"]:
-            torch.nn.RMSNorm.forward = _fused_norms.pop("replaced")
-            _fused_norms["replaced"] = None
+        _NORM_PATCH.open -= 1
+        if not _NORM_PATCH.open:
+            torch.nn.RMSNorm.forward, _NORM_PATCH.replaced = _NORM_PATCH.replaced, None
 
 
 @contextmanager
