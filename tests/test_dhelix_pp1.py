@@ -50,7 +50,6 @@ CASES_TP2 = {
     "tp2_dp": ParityCase(TP2, dhelix("dp")),
     "tp2_dp_seam": ParityCase(TP2, dhelix("dp"), seam=True),
     "tp2_sp_llama_dp_seam": ParityCase(TP2 + SP + LLAMA, dhelix("dp"), seam=True),
-    "tp2_sp_dp": ParityCase(TP2 + SP, dhelix("dp")),
     "tp2_sp_llama_dp": ParityCase(TP2 + SP + LLAMA, dhelix("dp")),
     "tp2_dp_streamed": ParityCase(TP2, dhelix("dp", *STREAMED)),
     "tp2_sp_llama_dp_streamed": ParityCase(TP2 + SP + LLAMA, dhelix("dp", *STREAMED)),

@@ -13,7 +13,8 @@ bf16 (`--bf16`: Megatron's Float16Module, bf16 parameters and activations, fp32 
 and main params), in the same launch:
 
 - TP2, PP=1 (`bf16_tp2`): bit-identical to stock, every step (losses, every gradient,
-  every parameter). The tied word-embedding weight's two gradients are summed in bf16
+  every parameter), and so are its evaluation losses (`evaluate()` runs the one-stage
+  forward-only list on dhelix's schedule engine, not Megatron's schedule). The tied word-embedding weight's two gradients are summed in bf16
   before DDP's accumulation, as autograd sums them in stock's single backward
   (`megatron_patches.tied_embedding`); added to main_grad separately they differed by
   6.1e-5 after one step and the losses by up to 1.5e-5 after two.
@@ -69,7 +70,8 @@ FP32_CASES = {
 }
 BF16 = ["--bf16"]
 BF16_EXACT_CASES = {
-    "bf16_tp2": TP2 + BF16,
+    # with evaluation after step 3: evaluate() runs the SI engine's forward-only list
+    "bf16_tp2": TP2 + BF16 + ["--eval-interval", str(STEPS), "--eval-iters", "1"],
     # with evaluation after step 3 (and Megatron's final validation and test evaluations):
     # the one place the folded model runs through its Float16Module's forward
     "bf16_tp2_pp2_noclip": TP2 + PP2 + BF16 + ["--clip-grad", "0", "--eval-interval",
