@@ -158,11 +158,10 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, dims, eps):
-        mode = active_mode()
-        if mode is not None:
-            mode.enter_region("norm.fused.fwd", fused_norm_ms(mode, x, "fwd"))
+        mode = active_mode()  # `_rms_norm_forward` applies this only under a mode, no region
+        mode.enter_region("norm.fused.fwd", fused_norm_ms(mode, x, "fwd"))
         try:
-            if mode is not None and mode.fakes(x):
+            if mode.fakes(x):
                 y = torch.empty_like(x)
                 rstd = torch.empty(_stats_shape(x, dims), dtype=torch.float32, device=x.device)
             else:
@@ -170,8 +169,7 @@ class _FusedRMSNorm(torch.autograd.Function):
                 rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
                 y = (xf * rstd).to(x.dtype) * weight
         finally:
-            if mode is not None:
-                mode.exit_region()
+            mode.exit_region()
         ctx.dims = dims
         ctx.save_for_backward(x, rstd, weight)
         return y

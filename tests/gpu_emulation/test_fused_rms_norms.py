@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(not H100_PROFILE.exists(), reason="needs the sha
 S, B, H = 256, 2, 512
 
 
-def _saved_bytes(fn) -> list:
-    """(dtype name, numel) of every tensor autograd saves while `fn()` runs; `fn`'s result."""
+def _saved_bytes(fn) -> tuple:
+    """((dtype name, numel) of every tensor autograd saves while `fn()` runs, `fn`'s
+    result)."""
     saved = []
 
     def pack(t):
