@@ -52,12 +52,18 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                 "run the layer pairs of an SI block strictly one after the other; by "
                 "default a pair's trailing backward-only blocks run together with the "
                 "next pair's leading forward-only blocks (docs/runtime.md)")
-    g.add_argument("--dhelix-streamed", action="store_true",
+    g.add_argument("--dhelix-streamed", action="store_true", default=None,
                    help="run each SI block as one static sequence of both strands' operators, "
                         "layer after layer, with no block barriers and both strands' "
                         "collectives on one lane per channel, in the order the streamed "
-                        "planner found fastest for the profile (dp pairer only; "
-                        "docs/runtime.md)")
+                        "planner found fastest for the profile, unless the block plan is "
+                        "predicted faster: also with a --dhelix-plan file, and where no "
+                        "sequence fits the memory bound (the least peak, with a warning); dp "
+                        "pairer only. Default: streamed where the dp plan is built at "
+                        "start-up and a sequence within the memory bound is predicted faster "
+                        "than the block plan (docs/runtime.md)")
+    g.add_argument("--dhelix-no-streamed", dest="dhelix_streamed", action="store_false",
+                   help="run SI blocks as the block plan's blocks, never streamed")
     g.add_argument("--dhelix-memory-margin", type=_non_negative_mib, default=None,
                    metavar="MIB",
                    help="memory bound of the dp pairer: no block of the plan may hold more "

@@ -57,8 +57,12 @@ class DHelixOptions:
     pairer: str = "dp"  # --dhelix-pairer: dp | sequential | round_robin | domino
     block_barriers: bool = True  # --dhelix-no-block-barriers: False
     layer_seams: bool = True  # --dhelix-no-layer-seams: False
-    # --dhelix-streamed: SI blocks run as one static operator sequence (planner.streamed)
-    streamed: bool = False
+    # SI blocks as one static operator sequence (planner.streamed) where it is predicted
+    # faster than the block plan: --dhelix-streamed True (also with a plan file, and above the
+    # memory bound where nothing fits), --dhelix-no-streamed False (the block plan); None
+    # (default): where the dp plan is built at start-up, within the memory bound
+    # (dhelix.runtime.setup.choose_streamed)
+    streamed: bool | None = None
     # --dhelix-no-memory-bound: False (the DP's plan is not bounded, planner.memory)
     memory_bound: bool = True
     # --dhelix-memory-margin MIB: the DP's blocks stay within the sequential plan's peak plus
@@ -76,7 +80,7 @@ class DHelixOptions:
                    profile=args.dhelix_profile, pairer=args.dhelix_pairer,
                    block_barriers=bool(args.dhelix_block_barriers),
                    layer_seams=bool(args.dhelix_layer_seams),
-                   streamed=bool(args.dhelix_streamed), attention=args.dhelix_attention,
+                   streamed=args.dhelix_streamed, attention=args.dhelix_attention,
                    memory_bound=bool(args.dhelix_memory_bound),
                    memory_margin_mib=(None if args.dhelix_memory_margin is None
                                       else float(args.dhelix_memory_margin)),
@@ -188,7 +192,7 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
     pp = parallel.pipeline_model_parallel_size
     for option, value in (("--dhelix-plan", options.plan), ("--dhelix-profile", options.profile),
                           ("--dhelix-commfree-timing-only", options.commfree_timing_only),
-                          ("--dhelix-streamed", options.streamed)):
+                          ("--dhelix-streamed", options.streamed is True)):
         yield (bool(value) and not options.enabled, f"{option} needs --dhelix")
     if not options.enabled:
         return
@@ -207,7 +211,7 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
            f"dimension: --micro-batch-size must be even (got {parallel.micro_batch_size})")
     yield (options.domino and bool(options.plan or options.profile),
            "--dhelix-pairer domino does no planning: drop --dhelix-plan and --dhelix-profile")
-    yield (options.streamed and options.pairer != "dp",
+    yield (options.streamed is True and options.pairer != "dp",
            f"--dhelix-streamed plans its own operator sequence from the profile: use it with "
            f"--dhelix-pairer dp (got {options.pairer})")
 

@@ -17,11 +17,12 @@ group per channel.
 pair, the order of the pair's collectives on the lane (every interleaving of the forward's
 and the backward's collectives that keeps each strand's own order), list-scheduling the
 compute lane for each (the ready strand that owns the lane's next collective first) and
-simulating `layers` layer pairs as the executor runs them
-(`dhelix.runtime.streamed_executor`): a layer's operators start after the same strand's
-previous layer has ended (its collectives waited), compute is slowed by the largest
-`collective_sigma` of the collectives in flight, collectives take their solo time. It keeps
-the fastest, and returns its operator sequence. Pure: no torch, no process group.
+simulating layer pairs as the executor runs them (`dhelix.runtime.streamed_executor`): a
+layer's operators start after the same strand's previous layer has ended (its collectives
+waited), compute is slowed by the largest `collective_sigma` of the collectives in flight,
+collectives take their solo time. It ranks every candidate on one layer pair, simulates a
+shortlist on the SI block's whole length, keeps the fastest, and returns its operator
+sequence. Pure: no torch, no process group.
 
 Memory (`planner.memory.MemoryBound`, optional): the sequence is static, so the live bytes
 above the SI block's start (a layer pair's start) are known at every entry: the sum of the
@@ -48,8 +49,10 @@ from planner.memory import MemoryBound
 from planner.orders import candidate_orders
 
 FWD, BWD = "fwd", "bwd"
-# simulations one search may run (~1 ms each for a Llama layer's 4 pairs)
+# candidates one search ranks (each simulated on one layer pair: ~0.2 ms for a Llama layer)
 MAX_CANDIDATES = 2048
+# candidates simulated again on the SI block's whole length (`plan_streamed`)
+SHORTLIST = 16
 
 
 @dataclass(frozen=True)
@@ -252,17 +255,45 @@ def _compute_end(start: float, work: float, running: list) -> float:
     return t
 
 
+def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound | None
+              ) -> tuple:
+    """(key, ms, sequence, peak, free ms, free peak) of one candidate (lane pattern, forward
+    order, backward order) over `pairs` layer pairs: the free sequence and, where it peaks
+    above a bound, the steered one (where the free one fits, steering changes no decision:
+    the same sequence); the better of the two by `key`: within the budget first, then
+    faster; outside it, smaller peak first."""
+    pattern, f, b = candidate
+    budget = memory.budget_bytes if memory is not None else None
+    free = simulate_streamed(model, f, b, pattern, pairs, memory, steer=False)
+    runs = [free]
+    if budget is not None and free[2] > budget:
+        runs.insert(0, simulate_streamed(model, f, b, pattern, pairs, memory))
+    best = None
+    for ms, sequence, peak in runs:
+        key = (0, ms) if budget is None or peak <= budget else (1, peak)
+        if best is None or key < best[0]:
+            best = (key, ms, sequence, peak)
+    return (*best, free[0], free[2]), len(runs)
+
+
 def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
                   max_orders: int = 64, wgrad_move: int = 4,
                   fwd_orders: Sequence[Sequence[str]] | None = None,
                   bwd_orders: Sequence[Sequence[str]] | None = None,
                   memory: MemoryBound | None = None,
-                  max_candidates: int = MAX_CANDIDATES) -> StreamedSchedule:
+                  max_candidates: int = MAX_CANDIDATES,
+                  shortlist: int = SHORTLIST) -> StreamedSchedule:
     """The fastest streamed interleaving of `pairs` layer pairs (module docstring) over the
     candidate strand orders (`candidate_orders(dag, max_orders, wgrad_move)` unless given)
-    and every lane pattern, at most `max_candidates` simulations (every lane pattern, each
-    with the first strand orders that fit: program orders first); with `memory`, the fastest whose peak fits its budget (where none
-    does, the one with the least peak). Deterministic: ties keep the first candidate
+    and every lane pattern, at most `max_candidates` candidates (every lane pattern, each
+    with the first strand orders that fit: program orders first); with `memory`, the fastest
+    whose peak fits its budget (where none does, the one with the least peak).
+
+    Every candidate is simulated on one layer pair; the `shortlist` best by that ranking
+    (within the budget and faster first) and the `shortlist` fastest free ones are simulated
+    again on `pairs` pairs, and the best of those is kept, so the search's cost does not
+    grow with the layer count (at the emulated benchmarks' Llama and MoE shapes the one-pair
+    ranking put the full search's best first). Deterministic: ties keep the first candidate
     (program orders first)."""
     if pairs < 1:
         raise ValueError(f"a streamed SI block pairs at least one layer, got {pairs}")
@@ -276,32 +307,35 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
     fwd_orders = fwd_orders[:max(1, int(room ** 0.5))] if len(fwd_orders) * len(
         bwd_orders) > room else fwd_orders
     bwd_orders = bwd_orders[:max(1, room // len(fwd_orders))]
-    budget = memory.budget_bytes if memory is not None else None
-    best, fastest, searched = None, None, 0
-    for pattern in patterns:
-        for f in fwd_orders:
-            for b in bwd_orders:
-                # the free sequence and, where it peaks above a bound, the steered one
-                # (where the free one fits, steering changes no decision: the same sequence)
-                free = simulate_streamed(model, f, b, pattern, pairs, memory, steer=False)
-                runs = [free]
-                if budget is not None and free[2] > budget:
-                    runs.insert(0, simulate_streamed(model, f, b, pattern, pairs, memory))
-                searched += len(runs)
-                for ms, sequence, peak in runs:
-                    # within the budget first, then faster; outside it, smaller peak first
-                    key = (0, ms) if budget is None or peak <= budget else (1, peak)
-                    if best is None or key < best[0]:
-                        best = (key, ms, f, b, pattern, sequence, peak)
-                if fastest is None or free[0] < fastest[0]:
-                    fastest = free[0], free[2]  # what the bound costs
-    _, ms, f, b, pattern, sequence, peak = best
+    candidates = [(p, f, b) for p in patterns for f in fwd_orders for b in bwd_orders]
+    searched = 0
+    one_pair = []
+    for candidate in candidates:
+        result, runs = _evaluate(model, candidate, 1, memory)
+        one_pair.append(result)
+        searched += runs
+    if pairs > 1:
+        ranked = sorted(range(len(candidates)), key=lambda i: one_pair[i][0])
+        fastest_free = sorted(range(len(candidates)), key=lambda i: one_pair[i][4])
+        kept = sorted(set(ranked[:shortlist]) | set(fastest_free[:shortlist]))
+        results = []
+        for i in kept:
+            result, runs = _evaluate(model, candidates[i], pairs, memory)
+            results.append((i, result))
+            searched += runs
+    else:
+        results = list(enumerate(one_pair))
+    best = min(results, key=lambda r: (r[1][0], r[0]))
+    fastest = min(results, key=lambda r: (r[1][4], r[0]))[1]  # what the bound costs
+    index, (_, ms, sequence, peak, _, _) = best
+    pattern, f, b = candidates[index]
     bounded = memory is not None
     return StreamedSchedule(fwd_order=f, bwd_order=b, lane_pattern=tuple(pattern),
                             sequence=sequence, pairs=pairs, total_ms=ms, searched=searched,
-                            peak_bytes=peak if bounded else None, budget_bytes=budget,
-                            unbounded_ms=fastest[0] if bounded else None,
-                            unbounded_peak_bytes=fastest[1] if bounded else None)
+                            peak_bytes=peak if bounded else None,
+                            budget_bytes=memory.budget_bytes if bounded else None,
+                            unbounded_ms=fastest[4] if bounded else None,
+                            unbounded_peak_bytes=fastest[5] if bounded else None)
 
 
 class StreamedPlanner:

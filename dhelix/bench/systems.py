@@ -16,20 +16,23 @@ list for the Domino-style pairing), so the baselines are options of one code pat
   per layer, staggered.
 - wavelet: `--dhelix --dhelix-pairer round_robin`; micro-batch pairs, round-robin operator
   interleaving, no planning.
-- dhelix: `--dhelix --dhelix-pairer dp [--dhelix-profile P]`; micro-batch pairs with the DP
-  plan from the profile (or from analytic costs, labelled so); every block waits for its
-  collectives, as the planner's cost model assumes (the runtime's default).
-- dhelix_no_barriers: the same plan with `--dhelix-no-block-barriers` (only each layer
+- dhelix: `--dhelix --dhelix-pairer dp [--dhelix-profile P]`, the runtime's default:
+  micro-batch pairs with the DP plan from the profile (or from analytic costs, labelled so),
+  each SI block run as the streamed sequence (`planner.streamed`: one static operator
+  sequence of both strands, no block barriers, both strands' collectives on one lane per
+  channel) where that is predicted faster than the block plan within the memory bound, else
+  in the plan's blocks.
+- dhelix_blocks: the same with `--dhelix-no-streamed`: the block plan always; every block
+  waits for its collectives, as the planner's cost model assumes.
+- dhelix_no_barriers: the block plan with `--dhelix-no-block-barriers` (only each layer
   pair's last block waits; a block's collectives may still fly while the next block runs):
   what dropping the barriers gains or costs.
-- dhelix_no_seams: the same plan with `--dhelix-no-layer-seams` (the layer pairs of an SI
+- dhelix_no_seams: the block plan with `--dhelix-no-layer-seams` (the layer pairs of an SI
   block strictly one after the other): what overlapping them at their seams gains.
-- dhelix_streamed: `--dhelix --dhelix-pairer dp --dhelix-streamed`; each SI block as one
-  static operator sequence of both strands, no block barriers, both strands' collectives on
-  one lane in the order the streamed planner found fastest (`planner.streamed`) within the
-  memory bound.
+- dhelix_streamed: `--dhelix --dhelix-pairer dp --dhelix-streamed`; streamed wherever the
+  sequence is predicted faster, even above the memory bound when no sequence fits it.
 - dhelix_streamed_no_memory_bound: the same with `--dhelix-no-memory-bound`.
-- dhelix_no_memory_bound: the dp plan with `--dhelix-no-memory-bound`: the speed the
+- dhelix_no_memory_bound: the default with `--dhelix-no-memory-bound`: the speed the
   default memory bound gives up, and the memory it saves.
 - megatron_moe_overlap: Megatron with `--overlap-moe-expert-parallel-comm
   --delay-wgrad-compute` (megatron-core's own inter-micro-batch all-to-all overlap,
@@ -122,12 +125,14 @@ SYSTEMS = (
     System("wavelet", "Wavelet-style (round robin)",
            ("--dhelix", "--dhelix-pairer", "round_robin")),
     System("dhelix", "DHelix", ("--dhelix", "--dhelix-pairer", "dp"), uses_profile=True),
-    System("dhelix_no_barriers", "DHelix, barrier only after each layer pair",
-           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-block-barriers"),
-           uses_profile=True),
-    System("dhelix_no_seams", "DHelix, layer pairs without seams",
-           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-layer-seams"),
-           uses_profile=True),
+    System("dhelix_blocks", "DHelix, block plan",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-streamed"), uses_profile=True),
+    System("dhelix_no_barriers", "DHelix, block plan, barrier only after each layer pair",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-streamed",
+            "--dhelix-no-block-barriers"), uses_profile=True),
+    System("dhelix_no_seams", "DHelix, block plan, layer pairs without seams",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-streamed",
+            "--dhelix-no-layer-seams"), uses_profile=True),
     System("dhelix_streamed", "DHelix, streamed SI blocks",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-streamed"), uses_profile=True),
     System("dhelix_streamed_no_memory_bound", "DHelix, streamed, no memory bound",

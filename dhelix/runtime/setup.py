@@ -204,7 +204,7 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
     layer L-1-l; on a folded stage (the W schedule) the i-th layer of one chunk meets the
     i-th layer of the other chunk in backward order, the same local pairs."""
     options = run.options
-    if options.streamed:
+    if options.streamed is True:  # by default such a stack runs its plans in blocks
         raise DHelixSetupError("--dhelix-streamed serves a stack of identical layers; drop it "
                                "for a stack of dense and MoE layers")
     if options.plan:
@@ -404,6 +404,41 @@ def _streamed_summary(schedule) -> str:
     return text + ")"
 
 
+def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, memory=None
+                    ) -> tuple[StreamedPlanner | None, str]:
+    """Whether this stage's SI blocks run streamed (`planner.streamed`): (the planner the
+    runner streams from, or None for the block plan; the phrase for the plan line, "" where
+    streaming was not considered). Considered with `--dhelix-streamed`, and by default
+    (`options.streamed` None) where the dp plan was built at start-up (no `--dhelix-plan`
+    file; not the baselines' pairers); `--dhelix-no-streamed` never. Streams where the
+    sequence is predicted faster than the block plan a layer pair and, by default, within
+    the memory bound (`--dhelix-streamed` runs the least peak where none fits, with a
+    warning). Collective over the stage's group where considered (`_check_stage_agrees`),
+    on every rank alike: the inputs are the same on every rank of the stage."""
+    options = run.options
+    forced = options.streamed is True
+    if not (forced or (options.streamed is None and options.pairer == "dp"
+                       and not options.plan and not options.commfree_timing_only)):
+        return None, ""
+    streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
+    for size in si_block_pairs(parts):
+        _check_stage_agrees(streamed.for_pairs(size))
+    schedule = streamed.for_pairs(max(si_block_pairs(parts)))
+    summary = _streamed_summary(schedule) + (f" against the block plan's "
+                                             f"{plan.planned_ms:.2f} ms a pair")
+    if schedule.pair_ms >= plan.planned_ms:
+        # e.g. one layer: nothing to stream, and one lane serialises what the block
+        # plan's two strand lanes overlap
+        return None, summary + ": not faster, SI blocks run in blocks"
+    if schedule.within_budget is False:
+        if not forced:
+            return None, summary + ": above the memory bound, SI blocks run in blocks"
+        log.warning("--dhelix-streamed: no streamed sequence fits the memory bound; running "
+                    "the one with the least peak (%s): raise --dhelix-memory-margin, or "
+                    "drop --dhelix-streamed for the bounded block plan", summary)
+    return streamed, summary
+
+
 def plan_seam(options: DHelixOptions, plan, dags, memory=None) -> Seam | None:
     """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
     or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
@@ -466,24 +501,9 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     memory = None if options.plan else _memory_bound(run, parts, bound, dags["fwd"],
                                                       dags["bwd"])
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
-    streamed = None
-    if options.streamed:
-        streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
-        for size in si_block_pairs(parts):
-            _check_stage_agrees(streamed.for_pairs(size))
-        schedule = streamed.for_pairs(max(si_block_pairs(parts)))
-        summary = _streamed_summary(schedule)
-        source += "; " + summary
-        source += f" against the block plan's {plan.planned_ms:.2f} ms a pair"
-        if schedule.pair_ms >= plan.planned_ms:
-            # e.g. one layer: nothing to stream, and one lane serialises what the block
-            # plan's two strand lanes overlap
-            source += ": not faster, SI blocks run in blocks"
-            streamed = None
-        elif schedule.within_budget is False:
-            log.warning("--dhelix-streamed: no streamed sequence fits the memory bound; running "
-                        "the one with the least peak (%s): raise --dhelix-memory-margin, or "
-                        "drop --dhelix-streamed for the bounded block plan", summary)
+    streamed, verdict = choose_streamed(run, parts, dags, plan, costs, memory)
+    if verdict:
+        source += "; " + verdict
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
                          block_barriers=options.block_barriers,

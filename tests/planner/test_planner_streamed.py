@@ -163,6 +163,23 @@ def test_memory_bounded_sequences_report_their_peak(seed):
     assert schedule.unbounded_ms == unbounded.total_ms
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_shortlist_keeps_the_search_flat_in_the_layer_count(seed):
+    """The one-pair ranking decides which candidates are simulated on the whole SI block:
+    the number of simulations does not grow with the layer pairs; a shortlist as long as the
+    candidate list is the exhaustive search, which the default shortlist never beats."""
+    rng = random.Random(200 + seed)
+    fwd, bwd = random_dag(rng, "fwd", 6), random_dag(rng, "bwd", 7)
+    costs = build_cost_model(fwd, bwd, random_profile(rng, fwd, bwd))
+    short = {pairs: plan_streamed(fwd, bwd, costs, pairs, max_orders=8, shortlist=2)
+             for pairs in (2, 3, 6)}
+    assert short[2].searched == short[3].searched == short[6].searched
+    exhaustive = plan_streamed(fwd, bwd, costs, 3, max_orders=8, shortlist=10 ** 6)
+    one_pair = plan_streamed(fwd, bwd, costs, 1, max_orders=8)
+    assert exhaustive.searched == 2 * one_pair.searched  # every candidate simulated twice
+    assert exhaustive.total_ms <= short[3].total_ms + 1e-9
+
+
 def test_a_chain_refuses_to_skip_a_layer():
     opened = []
     chain = StrandChain(open=lambda pair: opened.append(pair) or _Execution(),
