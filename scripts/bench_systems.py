@@ -140,7 +140,7 @@ def profile_config(config, model: list, ns, bandwidth: str, raw_dir: Path,
           + (", emulated GPU" if emulation else "") + ")", flush=True)
     started = time.time()
     with open(raw_dir / f"{config.name}.profile.log", "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        code = _run_launcher(command, log).returncode
     if code != 0 or not path.is_file():
         print(f"[bench] ({config.name}) profiling failed (exit {code}, see raw/"
               f"{config.name}.profile.log): DHelix uses the analytic plan", flush=True)
@@ -223,8 +223,8 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
                                 if emulation else ""), flush=True)
         started = time.time()
         with open(raw_dir / f"{config.name}.log", "w") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-            code = proc.wait()
+            proc = _run_launcher(command, log)
+            code = proc.returncode
         left = _leftovers(proc.pid)
         cleanup = ("verified: no namespace or /etc/netns entry left" if not left
                    else f"LEFT BEHIND: {left}")
@@ -363,6 +363,25 @@ def worker(spec_path: str) -> int:
     return 0
 
 
+def _run_launcher(command: list, log) -> subprocess.Popen:
+    """Run the cluster launcher `command` (output to `log`) to its end and return it,
+    finished. A SIGINT, SIGTERM or SIGHUP to this process is passed on to the launcher as
+    SIGTERM (it stops its nodes and removes the network), waited for, and raised here as
+    `Interrupted`, so no rank or namespace outlives the benchmark."""
+    from dhelix.cluster.signals import Interrupted, SignalGuard
+
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    with SignalGuard() as guard:
+        try:
+            proc.wait()
+        except Interrupted:
+            guard.shield()
+            proc.terminate()
+            proc.wait()
+            raise
+    return proc
+
+
 def main(argv=None) -> int:
     from dhelix.bench.systems import SYSTEM_NAMES
     from dhelix.cluster.comm_priority import POLICIES
@@ -419,7 +438,13 @@ def main(argv=None) -> int:
         ns.reps = 1 if ns.quick else 5
     if ns.warmup is None:
         ns.warmup = 0 if ns.quick else 1
-    return orchestrate(ns)
+    from dhelix.cluster.signals import Interrupted
+
+    try:
+        return orchestrate(ns)
+    except Interrupted as stop:
+        print(f"[bench] {stop}: the cluster was stopped and cleaned up", file=sys.stderr)
+        return stop.exit_code
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ CASES_TP2 = {
     "tp2_dp_seam": ParityCase(TP2, dhelix("dp", *BLOCKS), seam=True),
     "tp2_sp_llama_dp_seam": ParityCase(TP2 + SP + LLAMA, dhelix("dp", *BLOCKS), seam=True),
     "tp2_sp_llama_dp": ParityCase(TP2 + SP + LLAMA, dhelix("dp")),
-    "tp2_dp_streamed": ParityCase(TP2, dhelix("dp", *STREAMED)),
     "tp2_sp_llama_dp_streamed": ParityCase(TP2 + SP + LLAMA, dhelix("dp", *STREAMED)),
     # the tiny model: micro-batch 2 -> halves of 1
     "tp2_domino": ParityCase(TP2, dhelix("domino")),
@@ -179,10 +178,10 @@ def test_si_blocks_ran_streamed_where_the_plan_line_says(tp2, tp4):
                     if "SI blocks run streamed" in entry["describe"] else 0)
         assert entry["streamed_si_blocks"] == expected, (name, entry["describe"])
     streamed = {name for name, entry in trained.items() if entry["streamed_si_blocks"]}
-    assert {"tp2_dp_streamed", "tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"} <= streamed
+    assert {"tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"} <= streamed
     considered = {"tp2_dp", "tp2_sp_llama_dp", "tp4_sp_dp"}  # the default's own choice
-    assert streamed <= considered | {"tp2_dp_streamed", "tp2_sp_llama_dp_streamed",
-                                     "tp4_sp_dp_streamed"}, streamed
+    assert streamed <= considered | {"tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"}, \
+        streamed
     for name in considered:  # weighed, whichever way it went
         assert "streamed SI blocks" in trained[name]["describe"], name
     for name in streamed:
