@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from dhelix.dag import OpDAG
 from planner.cosched import collective_sigma
@@ -255,13 +255,25 @@ def _compute_end(start: float, work: float, running: list) -> float:
     return t
 
 
+class _Outcome(NamedTuple):
+    """One candidate simulated over some layer pairs: its better sequence by `key` (within
+    the budget first, then faster; outside it, smaller peak first), that sequence's time and
+    peak, and the unsteered ("free") sequence's time and peak (what the bound costs)."""
+
+    key: tuple
+    ms: float
+    sequence: tuple
+    peak: float
+    free_ms: float
+    free_peak: float
+
+
 def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound | None
-              ) -> tuple:
-    """(key, ms, sequence, peak, free ms, free peak) of one candidate (lane pattern, forward
-    order, backward order) over `pairs` layer pairs: the free sequence and, where it peaks
-    above a bound, the steered one (where the free one fits, steering changes no decision:
-    the same sequence); the better of the two by `key`: within the budget first, then
-    faster; outside it, smaller peak first."""
+              ) -> tuple[_Outcome, int]:
+    """The outcome of one candidate (lane pattern, forward order, backward order) over
+    `pairs` layer pairs, and how many simulations it took: the free sequence and, where it
+    peaks above a bound, the steered one (where the free one fits, steering changes no
+    decision: the same sequence)."""
     pattern, f, b = candidate
     budget = memory.budget_bytes if memory is not None else None
     free = simulate_streamed(model, f, b, pattern, pairs, memory, steer=False)
@@ -273,7 +285,7 @@ def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound |
         key = (0, ms) if budget is None or peak <= budget else (1, peak)
         if best is None or key < best[0]:
             best = (key, ms, sequence, peak)
-    return (*best, free[0], free[2]), len(runs)
+    return _Outcome(*best, free_ms=free[0], free_peak=free[2]), len(runs)
 
 
 def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
@@ -291,8 +303,8 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
 
     Every candidate is simulated on one layer pair; the `shortlist` best by that ranking
     (within the budget and faster first) and the `shortlist` fastest free ones are simulated
-    again on `pairs` pairs, and the best of those is kept, so the search's cost does not
-    grow with the layer count (at the emulated benchmarks' Llama and MoE shapes the one-pair
+    again on `pairs` pairs, and the best of those is kept, so only those few simulations grow
+    with the layer count (at the emulated benchmarks' Llama and MoE shapes the one-pair
     ranking put the full search's best first). Deterministic: ties keep the first candidate
     (program orders first)."""
     if pairs < 1:
@@ -315,8 +327,8 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
         one_pair.append(result)
         searched += runs
     if pairs > 1:
-        ranked = sorted(range(len(candidates)), key=lambda i: one_pair[i][0])
-        fastest_free = sorted(range(len(candidates)), key=lambda i: one_pair[i][4])
+        ranked = sorted(range(len(candidates)), key=lambda i: one_pair[i].key)
+        fastest_free = sorted(range(len(candidates)), key=lambda i: one_pair[i].free_ms)
         kept = sorted(set(ranked[:shortlist]) | set(fastest_free[:shortlist]))
         results = []
         for i in kept:
@@ -325,17 +337,16 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
             searched += runs
     else:
         results = list(enumerate(one_pair))
-    best = min(results, key=lambda r: (r[1][0], r[0]))
-    fastest = min(results, key=lambda r: (r[1][4], r[0]))[1]  # what the bound costs
-    index, (_, ms, sequence, peak, _, _) = best
+    index, best = min(results, key=lambda r: (r[1].key, r[0]))
+    fastest = min(results, key=lambda r: (r[1].free_ms, r[0]))[1]  # what the bound costs
     pattern, f, b = candidates[index]
     bounded = memory is not None
     return StreamedSchedule(fwd_order=f, bwd_order=b, lane_pattern=tuple(pattern),
-                            sequence=sequence, pairs=pairs, total_ms=ms, searched=searched,
-                            peak_bytes=peak if bounded else None,
+                            sequence=best.sequence, pairs=pairs, total_ms=best.ms,
+                            searched=searched, peak_bytes=best.peak if bounded else None,
                             budget_bytes=memory.budget_bytes if bounded else None,
-                            unbounded_ms=fastest[4] if bounded else None,
-                            unbounded_peak_bytes=fastest[5] if bounded else None)
+                            unbounded_ms=fastest.free_ms if bounded else None,
+                            unbounded_peak_bytes=fastest.free_peak if bounded else None)
 
 
 class StreamedPlanner:

@@ -168,10 +168,10 @@ def test_pp1_pairings_run_on_the_one_engine(tp2, name, kind, passes):
 def test_si_blocks_ran_streamed_where_the_plan_line_says(tp2, tp4):
     """Every SI block of every training step ran as one streamed sequence
     (`LayerRunner._run_streamed`) exactly where the plan line says so: by default where the
-    dp plan is built at start-up and predicted slower than the streamed sequence (always at
-    these shapes without the memory bound, whose analytic costs alone decide; with it, the
-    two come within a few percent either way), with `--dhelix-streamed`; never with
-    `--dhelix-no-streamed`, a plan file or another pairer."""
+    dp plan is built at start-up and the streamed sequence is predicted faster than its
+    blocks (always at these shapes without the memory bound, whose analytic costs alone
+    decide; with it, the two come within a few percent either way), and with
+    `--dhelix-streamed`; never with `--dhelix-no-streamed`, a plan file or another pairer."""
     trained = {name: entry for name, entry in {**tp2, **tp4}.items() if "rows" in entry}
     for name, entry in trained.items():
         expected = (len(entry["rows"]) * (entry["num_microbatches"] - 1)
