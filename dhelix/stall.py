@@ -34,9 +34,12 @@ import psutil
 
 from dhelix.parallel import Job
 
-# Substrings of the errors gloo raises when a peer stops answering or goes away.
+# Substrings of the errors gloo raises when a peer stops answering or goes away. "pair
+# closure": a wait on a collective whose connection gloo closed when another collective of
+# the same group timed out (the streamed executor's two strands share one group per channel).
 COMMUNICATION_FAILURES = ("Timed out", "timed out", "Connection closed by peer",
-                          "Connection reset by peer", "Broken pipe")
+                          "Connection reset by peer", "Broken pipe",
+                          "Application timeout caused pair closure")
 
 
 class RankStalled(RuntimeError):

@@ -136,17 +136,21 @@ def workdir(tmp_path):
 
 
 def _stop_rank_1(workdir: Path) -> dict:
-    """TP2 with --dhelix: SIGSTOP rank 1 after iteration 2 and wait for the job to end
+    """TP2 with --dhelix, its SI blocks streamed (`--dhelix-streamed`, unbounded: at these
+    shapes the default streams or not as the memory readings move; streamed, both strands'
+    collectives share one group, and a wait after the first timeout reads gloo's "pair
+    closure"): SIGSTOP rank 1 after iteration 2 and wait for the job to end
     (`Job.finish`); what the test checks."""
     job = Job(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "1",
-                      "--tensor-model-parallel-size", "2", "--dhelix"], workdir)
+                      "--tensor-model-parallel-size", "2", "--dhelix", "--dhelix-streamed",
+                      "--dhelix-no-memory-bound"], workdir)
     job.wait_for(lambda: " iteration        2/" in job.out.read_text(), "iteration 2")
     stopped = job.rank_pid(1)
     os.kill(stopped, signal.SIGSTOP)
     stopped_at = time.monotonic()
     code, out, err, left = job.finish()
     return {"stopped": stopped, "code": code, "err": err, "left": left,
-            "took": job.ended - stopped_at}
+            "took": job.ended - stopped_at, "streamed": "SI blocks run streamed" in out}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -213,6 +217,7 @@ def test_stopped_rank_is_named_within_the_timeout(stopped_rank_job):
     stopped, code, err, left, took = (result[k] for k in ("stopped", "code", "err", "left",
                                                             "took"))
     print(f"SIGSTOP to the end of the job: {took:.1f} s")
+    assert result["streamed"]  # the plan line: the job's SI blocks ran streamed
     assert code != 0 and left == [], (left, err[-3000:])
     errors = _errors(err)
     assert len(errors) == 1, err[-5000:]
