@@ -203,13 +203,11 @@ def _stats_shape(x: torch.Tensor, dims: tuple) -> tuple:
     return tuple(x.shape[:x.dim() - len(dims)]) + (1,) * len(dims)
 
 
-_RMS_NORM_FORWARD = torch.nn.RMSNorm.forward  # torch's own, which `_rms_norm_forward` calls
-
-
 @dataclass
 class _NormPatch:
     """This process's `fused_rms_norms` contexts: how many are open, and the class's forward
-    the first one replaced (restored when the last one closes)."""
+    the first one replaced (torch's own: what `_rms_norm_forward` falls back to, restored
+    when the last one closes)."""
 
     open: int = 0
     replaced: Callable | None = None
@@ -220,12 +218,12 @@ _NORM_PATCH = _NormPatch()
 
 def _rms_norm_forward(module: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """`torch.nn.RMSNorm.forward` while `fused_rms_norms` is open: `_FusedRMSNorm` under a
-    `GpuEmulationMode` (outside any region) for a weight of the input's dtype, else
-    torch's own."""
+    `GpuEmulationMode` (outside any region) for a weight of the input's dtype, else the
+    forward the patch replaced (torch's own)."""
     mode = active_mode()
     if (mode is None or mode.in_region or module.weight is None
             or module.weight.dtype != x.dtype):
-        return _RMS_NORM_FORWARD(module, x)
+        return _NORM_PATCH.replaced(module, x)
     dims = tuple(range(-len(module.normalized_shape), 0))
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     return _FusedRMSNorm.apply(x, module.weight, dims, eps)

@@ -361,8 +361,8 @@ def si_block_pairs(parts: GPTParts) -> list:
 
 
 def _streamed_planner(run: DHelixRun, fwd, bwd, costs, memory=None) -> StreamedPlanner:
-    """`--dhelix-streamed`: the planner of the run's streamed SI blocks
-    (`planner.streamed`), from the cost model the plan was built with, else (a plan file)
+    """The planner of the run's streamed SI blocks (`planner.streamed`; `choose_streamed`
+    decides whether they run), from the cost model the plan was built with, else (a plan file)
     from `--dhelix-profile` or the analytic default costs, bounded by `memory` (the dp
     plan's `planner.memory.MemoryBound`, None without one). Deterministic given the costs
     and the bound, so every rank of a stage derives the same sequence."""

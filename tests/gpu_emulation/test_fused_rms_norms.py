@@ -112,11 +112,11 @@ def test_cheap_tensors_compute_torchs_values():
 def test_torchs_path_where_cuda_takes_it_too_and_outside_the_mode(monkeypatch):
     from dhelix.gpu_emulation import regions
 
-    # torch's own forward, observed (calling it for an fp32 weight against a bf16 input
-    # would spend torch's once-a-process "Mismatch dtype" warning that
-    # tests/test_norm_dtype.py checks)
+    # torch's own forward (the one the patch replaces), observed (calling it for an fp32
+    # weight against a bf16 input would spend torch's once-a-process "Mismatch dtype"
+    # warning that tests/test_norm_dtype.py checks)
     calls = []
-    monkeypatch.setattr(regions, "_RMS_NORM_FORWARD",
+    monkeypatch.setattr(torch.nn.RMSNorm, "forward",
                         lambda module, x: calls.append(module.weight.dtype) or x * 1)
     x = torch.randn(S, B, H, dtype=torch.bfloat16, requires_grad=True)
     with regions.fused_rms_norms():
