@@ -190,20 +190,29 @@ def op_masks(order: Sequence[str], ops: dict) -> list[int]:
 
 
 def collective_sigma(costs: CostModel, op_id: str, direction: str, other_compute) -> float:
-    """Co-run slowdown of computation beside collective `op_id` (of `direction`): the
-    median of its measured (or estimated) sigma against the other direction's computations
-    `other_compute` (the profile measures pairs across the two strands only) that take at
-    least as long as the collective alone, else against all of them; 1.0 when there are
-    none. Only those pairs show the slowdown: a computation shorter than the collective ends
-    inside it, the pair's makespan is the collective's whatever the computation's slowdown,
-    and its sigma reads ~1.0 (an emulated GPU slowing every kernel beside a collective by
-    25% read 1.0-1.2 from such pairs). The median, not the mean: a pair of a tiny operator
-    carries its noise divided by the tiny operator's time (sigma = 2 - OEF), and one such
-    entry (sigma 52, an emulated profile at S = 50) made a mean several times every other
-    entry."""
+    """Co-run slowdown of computation beside collective `op_id` (of `direction`), from its
+    pairs with the other direction's computations `other_compute` (the profile measures
+    pairs across the two strands only); 1.0 when there are none.
+
+    Where the profile timed the computation itself inside those pairs
+    (`CostModel.compute_sigma`): their mean weighted by the computations' solo times (the
+    slowdown of that much computation as a whole; a tiny operator's entry, whose fixed
+    costs of a few tenths of a ms read as sigma 1.8-3.3 on the emulated GPU, weighs what it
+    computes). Otherwise from the pairs' makespans: the median of the sigma of the pairs whose computation takes at least as long
+    as the collective alone, else of all of them. A computation shorter than the collective
+    ends inside it, the pair's makespan is the collective's whatever the computation's
+    slowdown, and its sigma reads ~1.0 (an emulated GPU slowing every kernel beside a
+    collective by 25% read 1.0-1.2 from such pairs, where their computations' own times
+    read 1.25). The median, not the mean: a pair of a tiny operator carries its noise divided
+    by the tiny operator's time, and one such entry (sigma 52, an emulated profile at S = 50)
+    made a mean several times every other entry."""
     solo = costs.solo_f if direction == "fwd" else costs.solo_b
     other_solo = costs.solo_b if direction == "fwd" else costs.solo_f
     key = (lambda o: (op_id, o)) if direction == "fwd" else (lambda o: (o, op_id))
+    timed = [o for o in other_compute if key(o) in costs.compute_sigma]
+    if timed:
+        work = sum(other_solo[o] for o in timed)
+        return sum(other_solo[o] * costs.compute_sigma[key(o)] for o in timed) / work
     measured = [o for o in other_compute if key(o) in costs.sigma]
     long_enough = [o for o in measured if other_solo[o] >= solo[op_id]]
     values = [costs.sigma[key(o)] for o in (long_enough or measured)]

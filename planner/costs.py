@@ -30,7 +30,7 @@ These only have to rank plans sensibly; a profile replaces them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import fmean
 
 from dhelix.dag import OpDAG, OpNode, shared_channels
@@ -90,7 +90,10 @@ class CostModel:
     source: "profile" (solo times measured) or "analytic" (everything is the default);
     solo_f / solo_b: op id -> solo ms; sigma: (fwd id, bwd id) -> co-run slowdown (>= 1);
     pair_source: (fwd id, bwd id) -> one of PAIR_SOURCES. `profile_sha` and `hardware` feed
-    the plan fingerprint."""
+    the plan fingerprint. compute_sigma: (fwd id, bwd id) -> how much the collective of a
+    computation x collective pair slowed the computation while both ran
+    (`computation_slowdown`), for the pairs whose profile entry has the computation's own
+    time (`Profile.pair_compute`); empty otherwise."""
 
     source: str
     solo_f: dict
@@ -99,6 +102,7 @@ class CostModel:
     pair_source: dict
     profile_sha: str
     hardware: str
+    compute_sigma: dict = field(default_factory=dict)
 
     def estimated_pair(self, fwd_id: str, bwd_id: str) -> bool:
         """True unless this pair's co-execution time was measured."""
@@ -166,6 +170,26 @@ def _measured_oefs(profile: Profile, ops: list[OpNode]):
             {k: fmean(v) for k, v in by_kind.items()})
 
 
+def computation_slowdown(computation_ms: float, collective_ms: float,
+                         computation_in_pair_ms: float) -> float:
+    """The rate 1/sigma at which a computation progressed while a collective ran, from the
+    solo times and when the computation ended in their pair (both started together): the
+    model the streamed simulation runs (`planner.streamed`), inverted. Ended within the
+    collective: sigma = in_pair / computation. Ended after it: the collective's C ms did
+    C / sigma of the work, the rest ran at full speed, so in_pair = C + computation - C /
+    sigma and sigma = C / (C + computation - in_pair). Never below 1; where the pair took
+    as long as both back to back or longer (no progress beside the collective), the
+    computation's whole stretch in_pair / computation."""
+    work, collective, ended = computation_ms, collective_ms, computation_in_pair_ms
+    if ended <= work:
+        return 1.0
+    if ended <= collective:
+        return ended / work
+    if ended < collective + work:
+        return max(1.0, collective / (collective + work - ended))
+    return ended / work
+
+
 def build_cost_model(fwd: OpDAG, bwd: OpDAG, profile: Profile | None = None,
                      profile_path: str = "profile") -> CostModel:
     """Costs of every operator and every cross-strand pair of `fwd` x `bwd`.
@@ -203,4 +227,22 @@ def build_cost_model(fwd: OpDAG, bwd: OpDAG, profile: Profile | None = None,
             sigma[(a.id, b.id)] = sigma_from_oef(value)
             source[(a.id, b.id)] = src
     return CostModel("profile", solo_f, solo_b, sigma, source, profile.sha,
-                     canonical_hardware(profile.hardware))
+                     canonical_hardware(profile.hardware),
+                     _compute_sigmas(profile, fwd, bwd))
+
+
+def _compute_sigmas(profile: Profile, fwd: OpDAG, bwd: OpDAG) -> dict:
+    """(fwd id, bwd id) -> `computation_slowdown` of every computation x collective pair
+    whose computation's own time the profile has."""
+    result = {}
+    for a in fwd.ops:
+        for b in bwd.ops:
+            if {a.kind, b.kind} != {"comp", "comm"}:
+                continue
+            ended = profile.pair_compute_ms(a.cost_key, b.cost_key)
+            if ended is None:
+                continue
+            comp, comm = (a, b) if a.kind == "comp" else (b, a)
+            result[(a.id, b.id)] = computation_slowdown(
+                profile.solo[comp.cost_key], profile.solo[comm.cost_key], ended)
+    return result

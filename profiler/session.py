@@ -10,7 +10,7 @@ Partial file (`<output>.partial`, `dhelix-profile-partial` v1, written atomicall
 after the solo passes and after every chain): the hardware fingerprint, the run (model and
 parallel fingerprints, world size, ranks per node), the measuring options, and what has been
 measured so far (the solo medians that ranked the pairs, every solo sample, the pair
-medians). A re-run with the same fingerprint, run and options resumes: the solo phase is not
+medians, and when the computation of each computation x collective pair ended). A re-run with the same fingerprint, run and options resumes: the solo phase is not
 repeated, measured pairs are skipped. A partial file of another machine, run or options is
 refused (`PartialMismatch`) unless `overwrite` is set. The partial file is removed once the
 profile is written.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
@@ -81,6 +81,7 @@ class PartialState:
     solo_samples: dict  # cost key -> every slowest-rank solo sample so far
     pairs: dict
     ops: dict
+    pair_compute: dict = field(default_factory=dict)  # absent in older partial files
 
     def to_document(self) -> dict:
         return asdict(self)
@@ -89,7 +90,9 @@ class PartialState:
 def load_partial(path) -> PartialState:
     document = read_versioned(path, PARTIAL_KIND, PARTIAL_VERSION)
     try:
-        return PartialState(**{k: document[k] for k in PartialState.__dataclass_fields__})
+        optional = {"pair_compute"}
+        return PartialState(**{k: document[k] for k in PartialState.__dataclass_fields__
+                               if k in document or k not in optional})
     except KeyError as exc:
         raise FormatError(f"{path}: partial profile lacks {exc}; delete it or pass "
                           "--overwrite") from exc
@@ -185,6 +188,18 @@ def measure_solo(layer: LayerUnderTest, timer: Timer, options: ProfileOptions,
     return medians(samples)
 
 
+def slowest_pair_times(timer: Timer, marked: list) -> tuple[list, list]:
+    """A pair pass's (pair ms, computation ms or None) as the slowest rank's (collective:
+    every rank has marks at the same positions, the chain being the same everywhere)."""
+    pair_ms = timer.slowest([total for total, _ in marked])
+    with_mark = [i for i, (_, mark) in enumerate(marked) if mark is not None]
+    slowest_marks = timer.slowest([marked[i][1] for i in with_mark])
+    compute_ms: list = [None] * len(marked)
+    for i, ms in zip(with_mark, slowest_marks):
+        compute_ms[i] = ms
+    return pair_ms, compute_ms
+
+
 def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOptions,
                 overwrite: bool = False, stop_after: int | None = None, timer: Timer | None = None,
                 hardware: dict | None = None, show_progress: bool = True,
@@ -214,7 +229,8 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
                            solo=dict(state.solo) if state else {},
                            solo_samples={k: list(v) for k, v in state.solo_samples.items()}
                            if state else {},
-                           pairs=dict(state.pairs) if state else {})
+                           pairs=dict(state.pairs) if state else {},
+                           pair_compute=dict(state.pair_compute) if state else {})
 
     def save_partial():
         if rank == 0:
@@ -239,14 +255,20 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
     measured = 0
     for chain in work:
         samples = [[] for _ in chain]
+        compute_samples = [[] for _ in chain]
         for number in range(passes):
-            slowest = timer.slowest(pair_pass(layer, timer, chain))
+            pair_ms, compute_ms = slowest_pair_times(timer, pair_pass(layer, timer, chain))
             if number >= options.warmup:
-                for row, ms in zip(samples, slowest):
+                for row, ms in zip(samples, pair_ms):
                     row.append(ms)
+                for row, ms in zip(compute_samples, compute_ms):
+                    if ms is not None:
+                        row.append(ms)
             progress.advance(note=f"pairs ({measured + len(chain)}/{len(todo)})")
-        for cand, row in zip(chain, samples):
+        for cand, row, compute_row in zip(chain, samples, compute_samples):
             partial.pairs[cand.name] = max(median_ms(row), 1e-6)
+            if compute_row:
+                partial.pair_compute[cand.name] = max(median_ms(compute_row), 1e-6)
         solo_samples(layer, timer, options, partial.solo_samples)
         progress.advance(note=f"pairs ({measured + len(chain)}/{len(todo)})")
         measured += len(chain)
@@ -267,7 +289,9 @@ def run_profile(layer: LayerUnderTest, output, *, run: dict, options: ProfileOpt
     }
     profile = Profile(hardware=hardware, solo=solo,
                       pairs={pair_key(*name.split("|")): ms
-                             for name, ms in partial.pairs.items()}, meta=meta)
+                             for name, ms in partial.pairs.items()}, meta=meta,
+                      pair_compute={pair_key(*name.split("|")): ms
+                                    for name, ms in partial.pair_compute.items()})
     if rank == 0:
         save_profile(profile, output)
         partial_path(output).unlink(missing_ok=True)

@@ -20,7 +20,10 @@ dependencies are met), then times:
 - `pair_pass`: a chain of (forward op, backward op) candidates: for each, the forward
   execution of one micro-batch and the backward execution of another are advanced to just
   before the two operators, then `strand_executor.run_block` co-executes them as one block
-  with its closing barrier - exactly the runtime's path for a paired block.
+  with its closing barrier - exactly the runtime's path for a paired block. For a
+  computation beside a collective the region is also marked when the computation has ended
+  on the compute stream (`Timer.mark`): the pair's time is the collective's whenever the
+  computation is the shorter, and only the mark shows how much the collective slowed it.
 
 On an emulated GPU (`dhelix profile --gpu-emulation`, `LayerUnderTest.emulated`, a
 `dhelix.gpu_emulation.emulated_run.EmulatedCalls`) every pass runs under the emulation
@@ -78,6 +81,7 @@ class Timer:
                              "an emulated GPU's CPU timer")
         self._synchronize = synchronize
         self._events: list = []
+        self._open = None  # the region being timed: (its start, its mark or None)
         self._warm = False
 
     def align(self) -> None:
@@ -92,31 +96,60 @@ class Timer:
             dist.barrier(group=self.sync_group)
 
     def time(self, fn) -> int:
-        """Run `fn` as a timed region; returns a handle for `collect`."""
+        """Run `fn` as a timed region; returns a handle for `collect`. `fn` may call
+        `mark()` once: the region then also reports when it reached that point."""
         self.align()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._open = (start, None)
             start.record()
             fn()
             end.record()
-            self._events.append((start, end))
+            self._events.append((start, end, self._open[1]))
         else:
             t0 = time.perf_counter()
+            self._open = (t0, None)
             fn()
             if self._synchronize is not None:
                 self._synchronize()
-            self._events.append((time.perf_counter() - t0) * 1e3)
+            mark = self._open[1]
+            self._events.append(((time.perf_counter() - t0) * 1e3,
+                                 None if mark is None else (mark - t0) * 1e3))
+        self._open = None
         return len(self._events) - 1
 
-    def collect(self) -> list[float]:
-        """Local milliseconds of every region since the last collect, in order."""
+    def mark(self) -> None:
+        """Inside a region: note the moment the work issued so far has ended on the current
+        stream (CUDA: an event recorded there, no host synchronisation; an emulated GPU:
+        its stream drained, as the event would be reached; CPU: now), while what was issued
+        elsewhere (a collective on its lane) goes on."""
+        if self._open is None:
+            raise RuntimeError("Timer.mark() outside a timed region")
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._open = (self._open[0], event)
+        else:
+            if self._synchronize is not None:
+                self._synchronize()
+            self._open = (self._open[0], time.perf_counter())
+
+    def collect_marked(self) -> list[tuple[float, float | None]]:
+        """(local ms of the region, local ms from its start to its mark or None) of every
+        region since the last collect, in order."""
         if self.cuda:
             torch.cuda.synchronize()
-            times = [start.elapsed_time(end) for start, end in self._events]
+            times = [(start.elapsed_time(end),
+                      None if mark is None else start.elapsed_time(mark))
+                     for start, end, mark in self._events]
         else:
             times = list(self._events)
         self._events = []
         return times
+
+    def collect(self) -> list[float]:
+        """Local milliseconds of every region since the last collect, in order."""
+        return [total for total, _ in self.collect_marked()]
 
     def slowest(self, local_ms: list[float]) -> list[float]:
         """Element-wise maximum over the ranks of `sync_group`."""
@@ -207,9 +240,18 @@ def solo_pass(layer: LayerUnderTest, timer: Timer) -> dict:
     return dict(zip(ids, timer.collect()))
 
 
-def pair_pass(layer: LayerUnderTest, timer: Timer, chain) -> list[float]:
-    """One pass over a chain of candidates (`profiler.candidates`): local ms of each
-    co-executed pair, in chain order."""
+def computation_beside_collective(layer: LayerUnderTest, fwd_id: str, bwd_id: str) -> bool:
+    """True when one operator of the pair is a computation and the other a collective."""
+    kinds = {layer.forward[fwd_id].kind, layer.backward[bwd_id].kind}
+    return kinds == {"comp", "comm"}
+
+
+def pair_pass(layer: LayerUnderTest, timer: Timer, chain) -> list[tuple[float, float | None]]:
+    """One pass over a chain of candidates (`profiler.candidates`): for each co-executed
+    pair, in chain order, (local ms of the pair, local ms until its computation ended or
+    None). The second is measured for a computation x collective pair only: its block runs
+    without the closing barrier, the timer marks the compute stream, then both collectives'
+    waits end the region (what `run_block` with its barrier does)."""
     with layer.running():
         fwd_ex, bwd_ex = layer.forward_execution(), layer.backward_execution()
         fwd_next = bwd_next = 0
@@ -217,6 +259,16 @@ def pair_pass(layer: LayerUnderTest, timer: Timer, chain) -> list[float]:
             _advance(fwd_ex, layer.forward, fwd_next, cand.fwd_pos)
             _advance(bwd_ex, layer.backward, bwd_next, cand.bwd_pos)
             block = Block((cand.fwd,), (cand.bwd,))
-            timer.time(lambda: run_block(fwd_ex, bwd_ex, block))
+            if computation_beside_collective(layer, cand.fwd, cand.bwd):
+                timer.time(lambda: _run_marked(fwd_ex, bwd_ex, block, timer))
+            else:
+                timer.time(lambda: run_block(fwd_ex, bwd_ex, block))
             fwd_next, bwd_next = cand.fwd_pos + 1, cand.bwd_pos + 1
-    return timer.collect()
+    return timer.collect_marked()
+
+
+def _run_marked(fwd_ex, bwd_ex, block: Block, timer: Timer) -> None:
+    run_block(fwd_ex, bwd_ex, block, barrier=False)
+    timer.mark()
+    fwd_ex.wait_pending()
+    bwd_ex.wait_pending()

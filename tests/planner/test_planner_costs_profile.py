@@ -6,8 +6,10 @@ import pytest
 
 from dhelix.dag import OpDAG, OpNode
 from dhelix.file_formats import FormatError
+from planner.cosched import collective_sigma
 from planner.costs import (ANALYTIC_PROFILE_SHA, DEFAULT_OEF, build_cost_model,
-                           default_solo_ms, oef, sigma_from_oef)
+                           computation_slowdown, default_solo_ms, oef, sigma_from_oef)
+from planner.streamed import _compute_end
 from profiler.profile_file import (Profile, load_profile, pair_key, profile_from_document,
                                    profile_sha, save_profile)
 
@@ -51,6 +53,10 @@ def test_profile_round_trip_and_stable_sha(tmp_path):
     ({"meta": {"repeats": 0, "warmup": 0, "ranks": 1, "created": "x"}}, "meta.repeats"),
     ({"meta": {"repeats": 1, "warmup": 0, "ranks": 1}}, "meta.created"),
     ({"hardware": ""}, "hardware"),
+    ({"pair_compute": {"gemm_b|ag": 1.0}}, "names no pair"),
+    ({"pair_compute": {"gemm_a|ag": 0.0}}, "positive"),
+    ({"pair_compute": {"gemm_a|ag": 2.1, "ag|gemm_a": 2.0}}, "listed twice"),
+    ({"pair_compute": [1.0]}, "pair_compute must be an object"),
 ])
 def test_invalid_profiles_are_rejected_with_the_reason(tmp_path, change, message):
     with pytest.raises(FormatError, match=message) as err:
@@ -77,6 +83,57 @@ def test_corrupt_foreign_and_old_profiles(tmp_path):
     no_meta = {k: v for k, v in _doc().items() if k != "meta"}
     with pytest.raises(FormatError, match="missing section 'meta'"):
         load_profile(_write(tmp_path, no_meta))
+
+
+def test_pair_compute_round_trip_and_absent_section_keeps_the_sha(tmp_path):
+    """`pair_compute` is optional: a profile without it hashes as before the section
+    existed; with it, it round-trips, is unordered like `pairs` and changes the sha."""
+    plain = profile_from_document(_doc())
+    assert plain.pair_compute == {} and "pair_compute" not in plain.to_document()
+    assert plain.sha == profile_sha(_doc())
+    timed = profile_from_document(_doc(pair_compute={"ag|gemm_a": 1.3}))
+    assert timed.pair_compute_ms("gemm_a", "ag") == 1.3 and timed.sha != plain.sha
+    assert timed.pair_compute_ms("rs", "gemm_b") is None
+    save_profile(timed, tmp_path / "t.json")
+    again = load_profile(tmp_path / "t.json")
+    assert again == timed and again.sha == timed.sha
+    assert profile_sha(_doc(pair_compute={"gemm_a|ag": 1.3})) == timed.sha
+
+
+@pytest.mark.parametrize("work, collective, sigma", [
+    (10.0, 40.0, 1.25),   # ends inside the collective
+    (30.0, 20.0, 1.25),   # outlasts it
+    (30.0, 20.0, 1.6),
+    (5.0, 5.0, 1.0),      # no slowdown
+])
+def test_computation_slowdown_inverts_the_streamed_simulation(work, collective, sigma):
+    """The streamed simulation's end of a computation started with a collective, fed back
+    through `computation_slowdown`, gives the sigma it ran at."""
+    ended = _compute_end(0.0, work, [(0.0, collective, sigma)])
+    assert computation_slowdown(work, collective, ended) == pytest.approx(sigma)
+
+
+def test_computation_slowdown_edges():
+    assert computation_slowdown(10.0, 40.0, 9.0) == 1.0          # faster than alone: 1
+    assert computation_slowdown(10.0, 5.0, 20.0) == pytest.approx(2.0)  # no progress beside
+
+
+def test_collective_sigma_prefers_the_computations_own_times():
+    """A computation shorter than the collective: the pair's makespan is the collective's
+    (sigma from it ~1), the computation's own end in the pair shows the 25% slowdown."""
+    fwd = OpDAG("fwd", [OpNode("ar", "comm", "inter", (), "ar", False, "all_reduce")])
+    bwd = OpDAG("bwd", [OpNode("g1", "comp", "compute", (), "g1", False, "gemm"),
+                        OpNode("g2", "comp", "compute", (), "g2", False, "gemm")])
+    doc = {"hardware": "hw", "solo": {"ar": 10.0, "g1": 4.0, "g2": 6.0},
+           "pairs": {"ar|g1": 10.1, "ar|g2": 10.1}, "meta": dict(META)}
+    plain = build_cost_model(fwd, bwd, profile_from_document(doc))
+    assert plain.compute_sigma == {}
+    assert collective_sigma(plain, "ar", "fwd", ["g1", "g2"]) < 1.1
+    timed = build_cost_model(fwd, bwd, profile_from_document(
+        {**doc, "pair_compute": {"ar|g1": 5.0, "ar|g2": 7.5}}))
+    assert timed.compute_sigma == {("ar", "g1"): pytest.approx(1.25),
+                                   ("ar", "g2"): pytest.approx(1.25)}
+    assert collective_sigma(timed, "ar", "fwd", ["g1", "g2"]) == pytest.approx(1.25)
 
 
 def _dags():

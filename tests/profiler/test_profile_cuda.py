@@ -34,6 +34,31 @@ def test_cuda_event_timer_measures_the_region():
     assert timer.collect() == []
 
 
+@needs_cuda
+def test_cuda_event_timer_marks_the_compute_stream():
+    """The mark is an event on the current stream: work issued on a side stream after it
+    (what a collective on its lane is) lengthens the region, not the mark."""
+    from profiler.timing import Timer
+
+    timer = Timer(cuda=True)
+    a = torch.randn(2048, 2048, device="cuda")
+    side = torch.cuda.Stream()
+
+    def region():
+        a @ a
+        timer.mark()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(16):
+                a @ a
+        torch.cuda.current_stream().wait_stream(side)
+
+    for _ in range(3):
+        timer.time(region)
+    (_, _), *rest = timer.collect_marked()
+    assert all(0 < mark and total > 4 * mark for total, mark in rest), rest
+
+
 @pytest.mark.slow
 @needs_cuda
 def test_comp_only_bf16_profile_one_gpu(tmp_path):

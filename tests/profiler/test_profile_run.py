@@ -1,6 +1,7 @@
 """`dhelix profile` end to end on 2 gloo ranks (one launch): the tiny model (Megatron's
 arguments) profiled in full within the time budget, a valid profile covering every cost key
-of the run's DAGs with finite OEFs; an interrupted job resumed without re-measuring; and
+of the run's DAGs with finite OEFs and the computation's own time in every computation x
+collective pair; an interrupted job resumed without re-measuring; and
 the plugin's `--dhelix --dhelix-profile` run of the same model planned from the profile with
 parity against stock Megatron, and of another model refused. Plus the single-process
 `--comp-only` command line with `--preset tiny`."""
@@ -67,6 +68,11 @@ def test_full_profile_is_complete_valid_and_fast(launch):
     for key, ms in profile.pairs.items():
         names = sorted(key) if isinstance(key, frozenset) else [key[0]] * 2
         assert math.isfinite(oef(profile.solo[names[0]], profile.solo[names[1]], ms))
+        kinds = {profile.meta["ops"][name]["kind"] for name in names}
+        if kinds == {"comp", "comm"}:  # the computation's own end in the pair, within it
+            assert 0 < profile.pair_compute[key] <= ms, (key, profile.pair_compute.get(key))
+        else:
+            assert key not in profile.pair_compute
     assert profile.meta["parallel"] == "tp2-pp1-nosp" and profile.meta["ranks"] == 2
     assert profile.hardware["backend"] == "gloo"
     assert (workdir / "full" / "profile.png").stat().st_size > 1000
