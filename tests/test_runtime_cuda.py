@@ -29,14 +29,18 @@ def _check(report):
 @pytest.mark.slow
 @needs_cuda
 def test_dhelix_parity_one_gpu():
-    _check(run_on_ranks(pp1_parity, 1, {"tp1_dp": ParityCase((), DHELIX_DP)},
-                        timeout_s=600, env=parity_env("cuda"))[0])
+    """The block plan and the streamed sequence (each forced: which one the default runs
+    depends on the start-up memory readings) on the compute stream."""
+    cases = {"tp1_blocks": ParityCase((), DHELIX_DP + ("--dhelix-no-streamed",)),
+             "tp1_streamed": ParityCase((), DHELIX_DP + ("--dhelix-streamed",))}
+    _check(run_on_ranks(pp1_parity, 1, cases, timeout_s=600, env=parity_env("cuda"))[0])
 
 
 @pytest.mark.slow
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_dhelix_parity_tp2_lanes_on_nccl():
-    case = ParityCase(("--tensor-model-parallel-size", "2", "--sequence-parallel"), DHELIX_DP)
-    _check(run_on_ranks(pp1_parity, 2, {"tp2_sp_dp": case}, timeout_s=600,
-                        env=parity_env("cuda"))[0])
+    tp2_sp = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+    cases = {"tp2_sp_blocks": ParityCase(tp2_sp, DHELIX_DP + ("--dhelix-no-streamed",)),
+             "tp2_sp_streamed": ParityCase(tp2_sp, DHELIX_DP + ("--dhelix-streamed",))}
+    _check(run_on_ranks(pp1_parity, 2, cases, timeout_s=600, env=parity_env("cuda"))[0])
