@@ -198,14 +198,14 @@ def collective_sigma(costs: CostModel, op_id: str, direction: str, other_compute
     (`CostModel.compute_sigma`): their mean weighted by the computations' solo times (the
     slowdown of that much computation as a whole; a tiny operator's entry, whose fixed
     costs of a few tenths of a ms read as sigma 1.8-3.3 on the emulated GPU, weighs what it
-    computes). Otherwise from the pairs' makespans: the median of the sigma of the pairs whose computation takes at least as long
-    as the collective alone, else of all of them. A computation shorter than the collective
-    ends inside it, the pair's makespan is the collective's whatever the computation's
-    slowdown, and its sigma reads ~1.0 (an emulated GPU slowing every kernel beside a
-    collective by 25% read 1.0-1.2 from such pairs, where their computations' own times
-    read 1.25). The median, not the mean: a pair of a tiny operator carries its noise divided
-    by the tiny operator's time, and one such entry (sigma 52, an emulated profile at S = 50)
-    made a mean several times every other entry."""
+    computes). Otherwise from the pairs' makespans: the median of the sigma of the pairs
+    whose computation takes at least as long as the collective alone, else of all of them.
+    A computation shorter than the collective ends inside it, the pair's makespan is the
+    collective's whatever the computation's slowdown, and its sigma reads ~1.0 (an emulated
+    GPU slowing every kernel beside a collective by 25% read 1.0-1.2 from such pairs, where
+    their computations' own times read 1.25-1.43). The median, not the mean: a pair of a
+    tiny operator carries its noise divided by the tiny operator's time, and one such entry
+    (sigma 52, an emulated profile at S = 50) made a mean several times every other entry."""
     solo = costs.solo_f if direction == "fwd" else costs.solo_b
     other_solo = costs.solo_b if direction == "fwd" else costs.solo_f
     key = (lambda o: (op_id, o)) if direction == "fwd" else (lambda o: (o, op_id))

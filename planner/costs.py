@@ -172,9 +172,10 @@ def _measured_oefs(profile: Profile, ops: list[OpNode]):
 
 def computation_slowdown(computation_ms: float, collective_ms: float,
                          computation_in_pair_ms: float) -> float:
-    """The rate 1/sigma at which a computation progressed while a collective ran, from the
-    solo times and when the computation ended in their pair (both started together): the
-    model the streamed simulation runs (`planner.streamed`), inverted. Ended within the
+    """The slowdown sigma of a computation while a collective ran (it progressed at 1/sigma
+    of its solo speed), from the solo times and when the computation ended in their pair
+    (both started together): the model the streamed simulation runs (`planner.streamed`),
+    inverted. Ended within the
     collective: sigma = in_pair / computation. Ended after it: the collective's C ms did
     C / sigma of the work, the rest ran at full speed, so in_pair = C + computation - C /
     sigma and sigma = C / (C + computation - in_pair). Never below 1; where the pair took

@@ -10,8 +10,9 @@ Partial file (`<output>.partial`, `dhelix-profile-partial` v1, written atomicall
 after the solo passes and after every chain): the hardware fingerprint, the run (model and
 parallel fingerprints, world size, ranks per node), the measuring options, and what has been
 measured so far (the solo medians that ranked the pairs, every solo sample, the pair
-medians, and when the computation of each computation x collective pair ended). A re-run with the same fingerprint, run and options resumes: the solo phase is not
-repeated, measured pairs are skipped. A partial file of another machine, run or options is
+medians, and when the computation of each computation x collective pair ended). A re-run
+with the same fingerprint, run and options resumes: the solo phase is not repeated,
+measured pairs are skipped. A partial file of another machine, run or options is
 refused (`PartialMismatch`) unless `overwrite` is set. The partial file is removed once the
 profile is written.
 
