@@ -166,17 +166,18 @@ def _link_floor(run, calls, repeats: int = 3) -> dict:
     the c10d calls not replayed, and this rank's seconds per replay."""
     import torch.distributed as dist
 
-    from dhelix.bench.link_floor import record_collectives, replay
+    from dhelix.bench.link_floor import ReplayBuffers, record_collectives, replay
 
     _, collectives, skipped = record_collectives(
         lambda: calls("megatron.link_floor", run, run.forward_backward))
     out = {"collectives": len(collectives),
            "tensor_bytes": sum(c.tensor_bytes for c in collectives),
            "skipped": sorted(set(skipped)), "one_at_a_time_s": [], "all_at_once_s": []}
+    buffers = ReplayBuffers()  # one set for every replay, freed on return
     for _ in range(repeats):
         for key, all_at_once in (("one_at_a_time_s", False), ("all_at_once_s", True)):
             dist.barrier()
-            out[key].append(replay(collectives, all_at_once))
+            out[key].append(replay(collectives, all_at_once, buffers))
     return out
 
 

@@ -1,7 +1,8 @@
 """The link-floor recorder and replay (`dhelix.bench.link_floor`) on 2 real gloo ranks: every
 collective of the recorded code is noted with its group and tensor sizes (synchronous and
 asynchronous, on two groups), send/recv and barriers are not, and a replay issues them again
-on the same groups, one at a time and all at once, and returns."""
+on the same groups, one at a time and all at once, and returns, holding one buffer per
+distinct tensor spec rather than one per call."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _record_and_replay(ctx):
     import torch
     import torch.distributed as dist
 
-    from dhelix.bench.link_floor import record_collectives, replay
+    from dhelix.bench.link_floor import ReplayBuffers, record_collectives, replay
 
     dist.init_process_group("gloo")  # the harness's RANK, WORLD_SIZE, MASTER_ADDR/PORT
     other = dist.new_group([0, 1])
@@ -24,6 +25,7 @@ def _record_and_replay(ctx):
 
     def step():
         dist.all_reduce(x)                                    # 4 KiB
+        dist.all_reduce(x)                                    # the same spec again
         work = dist.all_reduce(torch.ones(256), group=other, async_op=True)
         gathered = torch.empty(2048)
         dist.all_gather_into_tensor(gathered, x)              # 4 KiB in, 8 KiB out
@@ -38,18 +40,24 @@ def _record_and_replay(ctx):
 
     total, collectives, skipped = record_collectives(step)
     names = [str(c.op).split(".")[1] for c in collectives]
-    times = [replay(collectives, all_at_once=flag) for flag in (False, True, False)]
+    buffers = ReplayBuffers()
+    times = [replay(collectives, all_at_once=flag, buffers=buffers)
+             for flag in (False, True, False)]
     dist.barrier()
     return {"total": total, "names": names, "bytes": [c.tensor_bytes for c in collectives],
-            "skipped": skipped, "times": times, "x_after": float(x[0])}
+            "skipped": skipped, "times": times, "x_after": float(x[0]),
+            "buffer_bytes": buffers.nbytes()}
 
 
 def test_record_and_replay_collectives():
     for r in run_on_ranks(_record_and_replay, 2, timeout_s=120, env={"OMP_NUM_THREADS": "1"}):
-        assert r["total"] == 3.0  # the recorded code ran for real: 1 + 2
-        assert r["names"] == ["allreduce_", "allreduce_", "_allgather_base_",
+        assert r["total"] == 6.0  # the recorded code ran for real: (1 + 2) x 2
+        assert r["names"] == ["allreduce_", "allreduce_", "allreduce_", "_allgather_base_",
                               "_reduce_scatter_base_"]
-        assert r["bytes"] == [4096, 1024, 8192 + 4096, 2048 + 4096]
+        assert r["bytes"] == [4096, 4096, 1024, 8192 + 4096, 2048 + 4096]
+        # one buffer per distinct spec, not one per call: the two 4 KiB all-reduces, the
+        # all-gather's input and the reduce-scatter's input share the (1024,) fp32 one
+        assert r["buffer_bytes"] == 4096 + 1024 + 8192 + 2048
         assert "barrier" in r["skipped"] and any(s in r["skipped"] for s in ("send", "recv_"))
         assert all(0 < t < 30 for t in r["times"]), r["times"]
-        assert r["x_after"] == 3.0  # a replay works on its own tensors, not the recorded ones
+        assert r["x_after"] == 6.0  # a replay works on its own tensors, not the recorded ones
