@@ -100,6 +100,12 @@ def shared_channels(fwd_ops: Iterable[OpNode], bwd_ops: Iterable[OpNode]) -> lis
     return sorted(a & b)
 
 
+def computation_beside_collective(a, b) -> bool:
+    """True when one of two operators (anything with a `kind`: OpNode or a program's
+    Operator) is a computation and the other a collective."""
+    return {a.kind, b.kind} == {"comp", "comm"}
+
+
 def topological_sort(dag: OpDAG) -> list[str]:
     """A topological order preferring the program order (stable Kahn). Raises on a cycle."""
     index = {op.id: i for i, op in enumerate(dag.ops)}

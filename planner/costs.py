@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from statistics import fmean
 
-from dhelix.dag import OpDAG, OpNode, shared_channels
+from dhelix.dag import OpDAG, OpNode, computation_beside_collective, shared_channels
 from dhelix.file_formats import REGENERATE, FormatError
 from profiler.profile_file import Profile, canonical_hardware, oef
 
@@ -238,7 +238,7 @@ def _compute_sigmas(profile: Profile, fwd: OpDAG, bwd: OpDAG) -> dict:
     result = {}
     for a in fwd.ops:
         for b in bwd.ops:
-            if {a.kind, b.kind} != {"comp", "comm"}:
+            if not computation_beside_collective(a, b):
                 continue
             ended = profile.pair_compute_ms(a.cost_key, b.cost_key)
             if ended is None:

@@ -30,10 +30,11 @@ deltas of every operator run so far, both strands, all layers, plus the running 
 transient, less what whole layer pairs left behind (the measured deltas of a forward
 layer and a backward layer need not cancel, while every layer pair's start holds the same
 L layers' activations: the block model measures every pair from its own start, and so does
-this, from the start of the latest layer pair both strands have finished). With a bound, the list scheduler runs a strand's computation only where that
-stays within the budget (else the other strand's, which frees: a backward; or, where
-neither fits, the backward), and a candidate whose sequence still exceeds the budget is
-kept only when none fits (the one with the least peak; `within_budget` says so).
+this, from the start of the latest layer pair both strands have finished). With a bound,
+the list scheduler runs a strand's computation only where that stays within the budget
+(else the other strand's, which frees: a backward; or, where neither fits, the backward),
+and a candidate whose sequence still exceeds the budget is kept only when none fits (the
+one with the least peak; `within_budget` says so).
 """
 
 from __future__ import annotations

@@ -190,13 +190,14 @@ def measure_solo(layer: LayerUnderTest, timer: Timer, options: ProfileOptions,
 
 
 def slowest_pair_times(timer: Timer, marked: list) -> tuple[list, list]:
-    """A pair pass's (pair ms, computation ms or None) as the slowest rank's (collective:
-    every rank has marks at the same positions, the chain being the same everywhere)."""
-    pair_ms = timer.slowest([total for total, _ in marked])
+    """A pair pass's (pair ms, computation ms or None) as the slowest rank's, in one MAX
+    reduction (collective: every rank has marks at the same positions, the chain being the
+    same everywhere)."""
     with_mark = [i for i, (_, mark) in enumerate(marked) if mark is not None]
-    slowest_marks = timer.slowest([marked[i][1] for i in with_mark])
+    slowest = timer.slowest([total for total, _ in marked] + [marked[i][1] for i in with_mark])
+    pair_ms, marks = slowest[:len(marked)], slowest[len(marked):]
     compute_ms: list = [None] * len(marked)
-    for i, ms in zip(with_mark, slowest_marks):
+    for i, ms in zip(with_mark, marks):
         compute_ms[i] = ms
     return pair_ms, compute_ms
 

@@ -49,6 +49,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
+from dhelix.dag import computation_beside_collective
 from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_block
 
@@ -240,12 +241,6 @@ def solo_pass(layer: LayerUnderTest, timer: Timer) -> dict:
     return dict(zip(ids, timer.collect()))
 
 
-def computation_beside_collective(layer: LayerUnderTest, fwd_id: str, bwd_id: str) -> bool:
-    """True when one operator of the pair is a computation and the other a collective."""
-    kinds = {layer.forward[fwd_id].kind, layer.backward[bwd_id].kind}
-    return kinds == {"comp", "comm"}
-
-
 def pair_pass(layer: LayerUnderTest, timer: Timer, chain) -> list[tuple[float, float | None]]:
     """One pass over a chain of candidates (`profiler.candidates`): for each co-executed
     pair, in chain order, (local ms of the pair, local ms until its computation ended or
@@ -259,7 +254,7 @@ def pair_pass(layer: LayerUnderTest, timer: Timer, chain) -> list[tuple[float, f
             _advance(fwd_ex, layer.forward, fwd_next, cand.fwd_pos)
             _advance(bwd_ex, layer.backward, bwd_next, cand.bwd_pos)
             block = Block((cand.fwd,), (cand.bwd,))
-            if computation_beside_collective(layer, cand.fwd, cand.bwd):
+            if computation_beside_collective(layer.forward[cand.fwd], layer.backward[cand.bwd]):
                 timer.time(lambda: _run_marked(fwd_ex, bwd_ex, block, timer))
             else:
                 timer.time(lambda: run_block(fwd_ex, bwd_ex, block))

@@ -17,9 +17,9 @@ per distinct (shape, dtype, device) and occurrence within a call (`ReplayBuffers
 by every call, so a replay holds about one call's bytes of each shape, not the step's (a
 step's collectives at four Llama-8B layers and 16 micro-batches carry ~12.6 GB a rank, which
 the 24 GiB machine could not hold twice). The data is zero everywhere, so collectives in
-flight at once over one buffer write back the zeros it holds. Every rank must call `replay` with the
-same list in the same order (the ranks of a group recorded the same sequence), like any
-collective.
+flight at once over one buffer write back the zeros it holds. Every rank must call `replay`
+with the same list in the same order (the ranks of a group recorded the same sequence),
+like any collective.
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ class ReplayBuffers:
             index = taken.get(value, 0)
             taken[value] = index + 1
             buffers = self._buffers.setdefault(value, [])
-            if index == len(buffers):
-                buffers.append(torch.zeros(value.shape, dtype=value.dtype,
-                                           device=value.device))
+            if index == len(buffers):  # on the recorded tensor's device
+                shape, dtype, device = value.shape, value.dtype, value.device
+                buffers.append(torch.zeros(shape, dtype=dtype, device=device))
             return buffers[index]
         if isinstance(value, (list, tuple)):
             return type(value)(self._materialise(v, taken) for v in value)
@@ -130,7 +130,8 @@ def replay(collectives: list, all_at_once: bool, buffers: ReplayBuffers | None =
     rank's clock, from the first issue to the last wait). Collective: every rank of the
     groups involved must call it with the same list. `buffers`: the tensors to replay on
     (a fresh `ReplayBuffers` by default, filled before the clock starts)."""
-    buffers = buffers or ReplayBuffers()
+    if buffers is None:
+        buffers = ReplayBuffers()
     calls = [(c.op, *buffers.arguments(c)) for c in collectives]
     start = time.perf_counter()
     pending = []
