@@ -4,7 +4,9 @@
 under a dispatch mode that notes every collective it issues (`c10d.*` operators: the
 process group and reduce op are part of each call, the tensors' shapes and dtypes are
 kept, not their data). `replay` issues the same collectives again on the same groups with
-zero-filled tensors of those shapes and nothing else running: one at a time (each waited
+zero-filled tensors of those shapes and nothing else running (a gloo all-to-all as the
+full-duplex exchange the emulated GPU issues, `dhelix.gpu_emulation.all_to_all_exchange`,
+where it can carry it: the link's own floor, not gloo's turn-taking): one at a time (each waited
 before the next) or all at once (every one issued, then every one waited, so the transport
 may keep several in flight). What no schedule of the same step can beat is the faster of
 the two: the link must carry those bytes whatever computation runs beside them.
@@ -31,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dhelix.c10d_ops import work_handles
+from dhelix.gpu_emulation.all_to_all_exchange import AllToAllExchanges
 
 _NOT_REPLAYED = ("send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_")
 
@@ -132,16 +135,21 @@ def replay(collectives: list, all_at_once: bool, buffers: ReplayBuffers | None =
     (a fresh `ReplayBuffers` by default, filled before the clock starts)."""
     if buffers is None:
         buffers = ReplayBuffers()
-    calls = [(c.op, *buffers.arguments(c)) for c in collectives]
-    start = time.perf_counter()
-    pending = []
-    for op, args, kwargs in calls:
-        works = work_handles(op(*args, **kwargs))
-        if all_at_once:
-            pending += works
-        else:
-            for work in works:
-                work.wait()
-    for work in pending:
-        work.wait()
-    return time.perf_counter() - start
+    exchanges = AllToAllExchanges()
+    try:
+        calls = [(c.op, *buffers.arguments(c)) for c in collectives]
+        calls = [(exchanges.stand_in(op, args), args, kwargs) for op, args, kwargs in calls]
+        start = time.perf_counter()
+        pending = []
+        for op, args, kwargs in calls:
+            works = work_handles(op(*args, **kwargs))
+            if all_at_once:
+                pending += works
+            else:
+                for work in works:
+                    work.wait()
+        for work in pending:
+            work.wait()
+        return time.perf_counter() - start
+    finally:
+        exchanges.close()

@@ -6,7 +6,10 @@ Node i runs, inside its namespace,
              --master-addr <node 0 address> --master-port P  <command...>
 
 (pinned to the node's computation cores when the host has enough cores for a placement,
-`dhelix.cluster.cores`), with gloo bound to the node's link (`GLOO_SOCKET_IFNAME=eth0`) and the topology exported to
+`dhelix.cluster.cores`), with gloo bound to the node's link (`GLOO_SOCKET_IFNAME=eth0,eth0`:
+two gloo devices on it, so each process group holds two connections per pair of ranks, and
+point-to-point transfers tagged by their sender carry each direction of an exchange on its
+own, `dhelix.gpu_emulation.all_to_all_exchange`) and the topology exported to
 every rank (`DHELIX_NUM_NODES`, `DHELIX_RANKS_PER_NODE`, `DHELIX_NODE_RANK`). Ranks of one
 node reach each other over loopback: traffic between addresses of the same namespace never
 leaves it, so only cross-node traffic crosses the shaped link.
@@ -34,6 +37,8 @@ from dhelix.cluster.comm_priority import CommThreadPriority
 from dhelix.cluster.cores import CorePlacement, pin_prefix
 from dhelix.cluster.host import ClusterError, Host
 from dhelix.cluster.naming import NODE_IFNAME, RunNames
+
+GLOO_DEVICES = 2  # gloo devices per rank, all on the node's link (module docstring)
 from dhelix.cluster.output import LinePump
 
 TIMEOUT_EXIT_CODE = 124
@@ -89,7 +94,7 @@ class NodeJob:
         env = dict(os.environ if base is None else base)
         env.update(self.extra_env)
         env.update(
-            GLOO_SOCKET_IFNAME=NODE_IFNAME,
+            GLOO_SOCKET_IFNAME=",".join([NODE_IFNAME] * GLOO_DEVICES),
             DHELIX_NUM_NODES=str(self.nodes),
             DHELIX_RANKS_PER_NODE=str(self.ranks_per_node),
             DHELIX_NODE_RANK=str(node),

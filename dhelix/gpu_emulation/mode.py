@@ -63,6 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dhelix.c10d_ops import process_group_of, unboxed_work, work_handles
+from dhelix.gpu_emulation.all_to_all_exchange import AllToAllExchanges
 from dhelix.gpu_emulation.aten_costs import (
     classify, is_communication, is_fill_factory, is_gemm, is_host_sync, is_inplace, kernel_ms,
     moved_bytes, op_name)
@@ -88,12 +89,15 @@ class EmulationConfig:
     (and operators on index data only, `_index_data`: a generator's byte state, routing);
     `stream_ordered_collectives`: collectives issued while the stream is busy start when it
     reaches them without holding the host (a GPU's behaviour); False: the host waits for
-    the stream to drain before every collective."""
+    the stream to drain before every collective; `full_duplex_all_to_all`: gloo all-to-alls
+    issued as `all_to_all_exchange` exchanges (both directions at once, as NCCL's), where
+    it can carry them."""
 
     time_scale: float = 1.0
     overlap_slowdown: float = H100_OVERLAP_SLOWDOWN
     cheap_numel: int = 4096
     stream_ordered_collectives: bool = True
+    full_duplex_all_to_all: bool = True
 
     def __post_init__(self):
         if not self.time_scale > 0:
@@ -177,6 +181,7 @@ class GpuEmulationMode(TorchDispatchMode):
         self._absorbed = 0
         self._stream_idle = 0.0
         self._issuer = StreamOrderedIssuer()
+        self._exchanges = AllToAllExchanges()
         self._deferred = 0
         self._real_depth = 0
 
@@ -278,6 +283,7 @@ class GpuEmulationMode(TorchDispatchMode):
         finally:
             try:
                 self._issuer.close()
+                self._exchanges.close()
             finally:
                 super().__exit__(*exc)
         return False
@@ -287,23 +293,26 @@ class GpuEmulationMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if is_communication(func):
             self._collectives += 1
+            outermost = not _get_current_dispatch_mode_stack()
+            # a mode outside this one (the link floor's recorder) must see c10d's own call
+            issue = (self._exchanges.stand_in(func, args)
+                     if outermost and self.config.full_duplex_all_to_all else func)
             group = process_group_of(args) if deferrable(func) else None
             kind = CollectiveKind(op_name(func), group, sum(
                 t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor)))
-            if (self.config.stream_ordered_collectives and deferrable(func)
-                    and not _get_current_dispatch_mode_stack()
+            if (self.config.stream_ordered_collectives and deferrable(func) and outermost
                     and (self._issuer.pending or self._stream_end > time.perf_counter()
                          or self._issuer.busy(group))):
                 self._deferred += 1
                 start = max(self._stream_end, self._group_expected_end(group))
-                result = self._issuer.submit(self._stream_end, func, args, kwargs)
+                result = self._issuer.submit(self._stream_end, issue, args, kwargs)
                 self._in_flight += [InFlightCollective(unboxed_work(w), start, kind)
                                     for w in work_handles(result)]
                 return result
             self.synchronize()
             start = time.perf_counter()
-            result = func(*args, **kwargs)
+            result = issue(*args, **kwargs)
             if op_name(func) not in POINT_TO_POINT:
                 handles = [unboxed_work(w) for w in work_handles(result)]
                 self._in_flight += [InFlightCollective(h, start, kind) for h in handles]

@@ -59,7 +59,7 @@ def test_two_nodes_two_ranks_topology_shaping_and_cleanup():
         assert (record["num_nodes"], record["ranks_per_node"]) == (2, 2)
         assert record["node_rank"] == record["group_rank"] == node
         assert record["local_rank"] == record["rank"] % 2
-        assert record["gloo_ifname"] == "eth0" and record["master_addr"] == "10.77.0.1"
+        assert record["gloo_ifname"] == "eth0,eth0" and record["master_addr"] == "10.77.0.1"
         # the launcher raised the gloo threads (the emulated NIC), not the computing thread
         policies = record["policies"]
         assert policies["comm"] == [policies["fifo"]], policies

