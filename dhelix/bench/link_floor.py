@@ -6,8 +6,8 @@ process group and reduce op are part of each call, the tensors' shapes and dtype
 kept, not their data). `replay` issues the same collectives again on the same groups with
 zero-filled tensors of those shapes and nothing else running (a gloo all-to-all as the
 full-duplex exchange the emulated GPU issues, `dhelix.gpu_emulation.all_to_all_exchange`,
-where it can carry it: the link's own floor, not gloo's turn-taking): one at a time (each waited
-before the next) or all at once (every one issued, then every one waited, so the transport
+where it can carry it: the link's own floor, not gloo's turn-taking): one at a time (each
+waited before the next) or all at once (every one issued, then every one waited, so the transport
 may keep several in flight). What no schedule of the same step can beat is the faster of
 the two: the link must carry those bytes whatever computation runs beside them.
 

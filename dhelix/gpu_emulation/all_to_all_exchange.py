@@ -14,7 +14,7 @@ the fast case at different rates). Point-to-point transfers with the receives po
 run both directions at once, but on one connection, under the real-time gloo threads of
 the emulated NIC (`dhelix.cluster.comm_priority`), they stalled ~1 s in most exchanges
 (TCP retransmissions); with each direction on its own connection they took 187 ms every
-time, the link's rate (its all-reduce of the same bytes: 186 ms).
+time, the link's rate (gloo's all-reduce moving the same bytes each way: 186 ms).
 
 `AllToAllExchanges.stand_in(func, args)` gives what to issue in place of c10d's
 `alltoall_base_`: a callable with the operator's arguments and result that posts the
@@ -27,14 +27,15 @@ larger than the devices, a tensor not contiguous) `func` itself.
 Guarantees: the output holds what `alltoall_base_` would put there (rows of the input split
 by `input_split_sizes` to the group's ranks in order; `output_split_sizes[r]` rows from rank
 r; empty split lists mean equal splits); nothing is copied besides the rank's own block
-(output[own rows] = input[own rows], on the tensors' device); the handle's `wait()` waits
-for every receive and send (the first error raised), `is_completed()` once all have, and
-`get_future()` are answered by a watcher thread of the group, the only waiter of the
-point-to-point Works (one thread per group, named as an emulated GPU host thread so the
-cluster raises it like the issue thread; `close()` stops them), until `close()`: the
-exchanges object keeps every handle it issued until then. The handle holds those
-Works (which hold the tensors) until the exchange completed, then drops them. Every rank of the group must issue the same exchanges in the same
-order, as for any collective.
+(output[own rows] = input[own rows], on the tensors' device). The handle's `wait()`,
+`is_completed()` and `get_future()` are answered by the group's watcher thread, the only
+waiter of the point-to-point Works (one thread per group, named as an emulated GPU host
+thread so the cluster raises it like the issue thread): done once every receive and send
+completed, the first error raised by `wait()`. The handle holds those Works (which hold
+the tensors) until then and drops them before its waiters wake. The exchanges object keeps
+every handle it issued until `close()`, which stops the watchers once their exchanges
+completed: wait on a handle before closing. Every rank of the group must issue the same
+exchanges in the same order, as for any collective.
 """
 
 from __future__ import annotations

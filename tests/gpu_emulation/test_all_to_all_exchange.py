@@ -9,8 +9,9 @@ real gloo ranks with two gloo devices each (one launch):
   single gloo device;
 - under `GpuEmulationMode` an asynchronous `all_to_all_single` (stream-ordered, issued while
   kernels are queued) delivers the same rows as without the mode, and so do synchronous
-  tiny ones issued on the host's thread (complete before c10d unboxes their handles), and a dispatch mode entered
-  before the emulation (the link floor's recorder) still records c10d's `alltoall_base_`;
+  tiny ones issued on the host's thread (complete before c10d unboxes their handles); a
+  dispatch mode entered before the emulation (the link floor's recorder) still records
+  c10d's `alltoall_base_`;
 - the link floor's replay of a recorded all-to-all returns.
 """
 
