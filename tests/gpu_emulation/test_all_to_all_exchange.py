@@ -44,10 +44,14 @@ def _exchanges(ctx):
     from profiler.profile_file import load_profile
 
     dist.init_process_group("gloo")
+    cpu = torch.device("cpu")  # gloo's collectives and point-to-point run on CPU tensors
     me, out = ctx.rank, {}
     send = SPLITS[me]
     receive = [SPLITS[p][me] for p in range(2)]
-    rows = torch.arange(sum(send) * 4, dtype=torch.bfloat16).reshape(-1, 4) + 100 * me
+    rows = torch.arange(sum(send) * 4, dtype=torch.bfloat16, device=cpu).reshape(-1, 4) + 100 * me
+
+    def received_rows():
+        return torch.empty(sum(receive), 4, dtype=torch.bfloat16, device=cpu)
 
     def reference(output, tensor, out_splits, in_splits):
         dist.all_to_all_single(output, tensor, out_splits, in_splits)
@@ -63,18 +67,19 @@ def _exchanges(ctx):
         work.wait()
         return output
 
-    want = reference(torch.empty(sum(receive), 4, dtype=torch.bfloat16), rows, receive, send)
-    got = exchanged(torch.empty(sum(receive), 4, dtype=torch.bfloat16), rows, receive, send)
+    want = reference(received_rows(), rows, receive, send)
+    got = exchanged(received_rows(), rows, receive, send)
     out["uneven"] = torch.equal(want, got)
-    vector = torch.arange(6, dtype=torch.float32) + 10 * me
-    out["equal"] = torch.equal(reference(torch.empty(6), vector, [], []),
-                               exchanged(torch.empty(6), vector, [], []))
+    vector = torch.arange(6, dtype=torch.float32, device=cpu) + 10 * me
+    out["equal"] = torch.equal(reference(torch.empty(6, device=cpu), vector, [], []),
+                               exchanged(torch.empty(6, device=cpu), vector, [], []))
     zero_send = [4, 0] if me == 0 else [0, 4]
-    four = torch.ones(4, 2) * (me + 1)
-    out["zero_rows"] = torch.equal(exchanged(torch.empty(4, 2), four, zero_send, zero_send), four)
+    four = torch.ones(4, 2, device=cpu) * (me + 1)
+    zero_rows = exchanged(torch.empty(4, 2, device=cpu), four, zero_send, zero_send)
+    out["zero_rows"] = torch.equal(zero_rows, four)
 
     # the handle: two waiters at once, completion, future
-    work = exchanges.exchange(torch.empty(sum(receive), 4, dtype=torch.bfloat16), rows, group,
+    work = exchanges.exchange(received_rows(), rows, group,
                               receive, send)
     waited = []
     thread = threading.Thread(target=lambda: waited.append(work.wait()))
@@ -86,7 +91,7 @@ def _exchanges(ctx):
 
     # stand-ins
     ar = torch.ops.c10d.allreduce_.default
-    strided = torch.empty(8, 8)[:, :4]
+    strided = torch.empty(8, 8, device=cpu)[:, :4]
     out["stand_in"] = (
         exchanges.stand_in(a2a, (rows, rows, group.boxed(), [], [])) is not a2a,
         exchanges.stand_in(ar, ([rows], group.boxed())) is ar,
@@ -96,26 +101,26 @@ def _exchanges(ctx):
 
     # under the emulation: stream-ordered, while 0.2 s of kernels are queued
     model = fit_kernel_model(load_profile(H100_PROFILE))
-    big = torch.randn(64, 64)
+    big = torch.randn(64, 64, device=cpu)
     with GpuEmulationMode(model, EmulationConfig(time_scale=2000.0)) as mode:
         for _ in range(3):
             big @ big  # queued kernels (faked outputs)
-        output = torch.empty(sum(receive), 4, dtype=torch.bfloat16)
+        output = received_rows()
         handle = dist.all_to_all_single(output, rows, receive, send, async_op=True)
         handle.wait()
         deferred = mode.report().stream_ordered
         mode.synchronize()
         # issued on the host's thread (the stream drained), tiny: complete before c10d
         # unboxes the handle; waited by c10d's synchronous call
-        small = [torch.empty(2) for _ in range(20)]
+        small = [torch.empty(2, device=cpu) for _ in range(20)]
         for tensor in small:
-            dist.all_to_all_single(tensor, torch.full((2,), float(me)))
+            dist.all_to_all_single(tensor, torch.full((2,), float(me), device=cpu))
     out["emulated"] = (torch.equal(output, want), deferred,
                        all(t.tolist() == [0.0, 1.0] for t in small))
 
     def recorded_step():
         with GpuEmulationMode(model, EmulationConfig(time_scale=2000.0)):
-            dist.all_to_all_single(torch.empty(sum(receive), 4, dtype=torch.bfloat16), rows,
+            dist.all_to_all_single(received_rows(), rows,
                                    receive, send)
 
     _, collectives, _ = record_collectives(recorded_step)
