@@ -160,7 +160,8 @@ class AllToAllExchanges:
         self._watchers: dict = {}
         # every handle issued, until close(): c10d hands a Python Work subclass around
         # boxed, which does not keep the Python object alive, and once it is gone the
-        # unboxed handle is c10d's base Work (its wait() and get_future() unimplemented)
+        # unboxed handle is c10d's base Work (get_future() raised "not implemented" in the
+        # benchmark: tests/gpu_emulation/test_all_to_all_exchange.py issues that case)
         self._issued: list = []
 
     def stand_in(self, func, args: tuple):
