@@ -282,10 +282,12 @@ class GpuEmulationMode(TorchDispatchMode):
             self.synchronize()
         finally:
             try:
-                self._issuer.close()
-                self._exchanges.close()
+                self._issuer.close()  # raises a deferred collective's error
             finally:
-                super().__exit__(*exc)
+                try:
+                    self._exchanges.close()  # its watcher threads stop on error too
+                finally:
+                    super().__exit__(*exc)
         return False
 
     # -- dispatch -----------------------------------------------------------------------
