@@ -188,9 +188,9 @@ def _counting_si():
             super().__init__(chunk_forward(model))
             self.blocks = 0
 
-        def si(self, forward, backward):
+        def si(self, forward, backward, produced=None):
             self.blocks += 1
-            return super().si(forward, backward)
+            return super().si(forward, backward, produced)
 
     return CountingSI
 

@@ -22,10 +22,14 @@ def _runs(config, profile=None):
 def test_every_system_runs_with_pp1_and_all_but_domino_with_pp2():
     for config in ("a", "b"):
         assert all(run.unavailable is None for run in _runs(config).values())
-    runs = _runs("c")
-    for name in ("megatron", "commfree", "ops_sequential", "wavelet", "dhelix"):
-        assert runs[name].unavailable is None
-    assert "without pipelining" in runs["domino"].unavailable
+    for config in ("c", "p"):  # (p): PP=2 across the nodes without TP
+        runs = _runs(config)
+        for name in ("megatron", "commfree", "ops_sequential", "wavelet", "dhelix"):
+            assert runs[name].unavailable is None
+        assert "without pipelining" in runs["domino"].unavailable
+    assert CONFIGS["p"].parallel_args() == ["--tensor-model-parallel-size", "1",
+                                            "--pipeline-model-parallel-size", "2"]
+    assert CONFIGS["p"].world_size == 2 and not CONFIGS["p"].oversubscribed(2)
 
 
 def test_moe_configuration_rows():

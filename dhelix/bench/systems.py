@@ -204,6 +204,9 @@ CONFIGS = {
     # its intra-node links are not emulated, so (c)'s TP traffic would cost next to nothing)
     "d": Config("d", 4, 1, tp=2, pp=2,
                 description="4 nodes x 1 rank, TP=2 and PP=2 across nodes"),
+    # the pipeline alone: PP=2 across the nodes, no TP (the W schedule against 1F1B with no
+    # intra-layer collective to hide: what the schedules themselves cost)
+    "p": Config("p", 2, 1, tp=1, pp=2, description="2 nodes x 1 rank, PP=2 across nodes"),
     # MoE: the dispatch and combine all-to-alls cross the shaped link (DP=2 = EP=2)
     "e": Config("e", 2, 1, tp=1, pp=1,
                 description="2 nodes x 1 rank, EP=2 across nodes, MoE top-2 of 4 experts",

@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from dhelix.arriving import Arriving, buffer_of
 from dhelix.ops.binding import LayerBinding
 from dhelix.ops.collectives import GroupCollectives, NoOpCollectives
 from dhelix.ops.layer_program import build_layer_programs
@@ -196,18 +197,19 @@ class LayerExecution:
         return sorted(n for n, v in self._values.items() if isinstance(v, _Pending))
 
     # ------------------------------------------------------------- driving
-    def begin_forward(self, x: torch.Tensor, attention_mask=None, rotary_pos_emb=None) -> None:
-        """Hand in the layer input (and the mask / rotary table the layer would get)."""
+    def begin_forward(self, x, attention_mask=None, rotary_pos_emb=None) -> None:
+        """Hand in the layer input (and the mask / rotary table the layer would get). `x`
+        may be a `dhelix.arriving.Arriving`: held pending, waited on by its first reader."""
         self._expect_phase("idle", "begin_forward")
         desc = self.bound.description
         if desc.rope and rotary_pos_emb is None:
             raise ValueError("this layer was described with RoPE but no rotary_pos_emb given")
         if not desc.rope and rotary_pos_emb is not None:
             raise ValueError("rotary_pos_emb given for a layer described without RoPE")
-        if x.requires_grad:
+        if buffer_of(x).requires_grad:
             raise ValueError("the layer input must be a plain tensor (detach it); the "
                              "programs produce its gradient explicitly")
-        self.put("x", x)
+        self._put_handed("x", x)
         self.put("attention_mask", attention_mask)
         self.put("rotary_pos_emb", rotary_pos_emb)
         self._phase, self._program = "fwd", self.programs.forward
@@ -216,10 +218,11 @@ class LayerExecution:
         """Hand over the layer output; all forward ops must have run."""
         return self._end("fwd", "y", next_phase="between")
 
-    def begin_backward(self, grad_output: torch.Tensor) -> None:
-        """Hand in the gradient of the layer output."""
+    def begin_backward(self, grad_output) -> None:
+        """Hand in the gradient of the layer output (a tensor or a
+        `dhelix.arriving.Arriving`, as `begin_forward`'s input)."""
         self._expect_phase("between", "begin_backward")
-        self.put("d.y", grad_output)
+        self._put_handed("d.y", grad_output)
         self._phase, self._program = "bwd", self.programs.backward
 
     def end_backward(self) -> torch.Tensor:
@@ -229,6 +232,13 @@ class LayerExecution:
         if self._values:
             raise RuntimeError(f"values left after the backward: {self.live_values()}")
         return grad_input
+
+    def ran_all(self) -> bool:
+        """True when every operator of the current direction has run and no collective of
+        this execution is in flight: `end_forward` / `end_backward` would not wait."""
+        program = self._program
+        return (program is not None and all(op_id in self._done for op_id in program.ids)
+                and not self.pending_values())
 
     def run(self, op_id: str) -> None:
         """Run one operator of the current direction; its deps must have run."""
@@ -264,6 +274,12 @@ class LayerExecution:
                 self._values.pop(name, None)
 
     # ------------------------------------------------------------ helpers
+    def _put_handed(self, name: str, value) -> None:
+        if isinstance(value, Arriving):
+            self.put_pending(name, value.tensor, value)
+        else:
+            self.put(name, value)
+
     def _expect_phase(self, phase: str, action: str) -> None:
         if self._phase != phase:
             raise RuntimeError(f"{action} called in phase {self._phase!r} (expected {phase!r})")

@@ -48,8 +48,9 @@ STRAND_SLOTS = (0, 1)
 
 @dataclass
 class LanePool:
-    """Lane process groups this process has created, by (ranks, channel, strand slot), for
-    every runtime built in it to reuse. One training run builds one runtime and needs no
+    """Process groups this process has created, by (ranks, channel, strand slot) (lanes)
+    or (ranks, "pp-grad") (`pipeline_gradient_group`), for every runtime built in it to
+    reuse. One training run builds one runtime and needs no
     pool; the benchmark builds one per system in one process, and every idle gloo group
     costs the running one CPU (its transport thread wakes every 10 ms; docs/benchmark.md).
     Reuse is safe because a system's collectives have all completed when its step ends.
@@ -88,23 +89,12 @@ class Lanes:
             raise ValueError(f"unknown communication channels {unknown}; known: {COMM_LANES}")
         lanes = cls(no_comm_timing_only=no_comm_timing_only)
         for role, group in role_groups.items():
-            mine = tuple(dist.get_process_group_ranks(group))
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            all_groups = sorted(set(everyone))
             for lane in COMM_LANES:
                 if lane not in by_role.get(role, ()):
                     continue
                 for slot in STRAND_SLOTS:
-                    for ranks in all_groups:
-                        key = (ranks, lane, slot)
-                        clone = pool.groups.get(key) if pool is not None else None
-                        if clone is None:
-                            clone = dist.new_group(list(ranks), timeout=job.timeout)
-                            if pool is not None:
-                                pool.groups[key] = clone
-                        if ranks == mine:
-                            lanes.groups[(role, lane, slot)] = clone
+                    lanes.groups[(role, lane, slot)] = clone_group(group, (lane, slot), job,
+                                                                   pool)
         return lanes
 
     def attach(self, execution) -> None:
@@ -112,6 +102,39 @@ class Lanes:
         the timing-only communication-free bound)."""
         execution.lane_groups = self.groups
         execution.no_comm_timing_only = self.no_comm_timing_only
+
+
+def clone_group(group, tag: tuple, job: Job, pool: LanePool | None = None):
+    """This rank's clone of `group`: a group with its ranks, made for every group of the
+    world with the same role (every rank calls this with its own group of that role, in the
+    same order: torch.distributed.new_group is a collective over the world), with `job`'s
+    timeout; taken from `pool` under (ranks, *tag) when it has one, else created and
+    added to it."""
+    mine = tuple(dist.get_process_group_ranks(group))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    found = None
+    for ranks in sorted(set(everyone)):
+        key = (ranks, *tag)
+        clone = pool.groups.get(key) if pool is not None else None
+        if clone is None:
+            clone = dist.new_group(list(ranks), timeout=job.timeout)
+            if pool is not None:
+                pool.groups[key] = clone
+        if ranks == mine:
+            found = clone
+    return found
+
+
+def pipeline_gradient_group(job: Job, pool: LanePool | None = None):
+    """The group the pipeline's gradients travel on (`dhelix.schedules.executor`'s
+    `gradient_group`): a clone of Megatron's pipeline group, so a stage's activations and
+    gradients to one peer are two channels. Collective over the world; Megatron's parallel
+    state must exist."""
+    from megatron.core import parallel_state
+
+    return clone_group(parallel_state.get_pipeline_model_parallel_group(), ("pp-grad",),
+                       job, pool)
 
 
 def comm_channels(bound_layers, role: str | None = None) -> tuple:

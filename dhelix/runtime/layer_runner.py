@@ -36,6 +36,25 @@ def take_handed(holder: list) -> torch.Tensor:
     return holder.pop()
 
 
+class _OutputReporter:
+    """`on_strand_end` of an SI block's last layer pair (`run_paired`): ends a strand's
+    execution as soon as it ran everything (`LayerExecution.ran_all`), keeps the output in
+    `ended` and reports it to `on_output`."""
+
+    def __init__(self, fwd, bwd, on_output, ended: dict):
+        self.fwd, self.bwd, self.on_output, self.ended = fwd, bwd, on_output, ended
+
+    def __call__(self, execution) -> None:
+        if not execution.ran_all():
+            return
+        if execution is self.fwd and "fwd" not in self.ended:
+            self.ended["fwd"] = execution.end_forward()
+            self.on_output("fwd", self.ended["fwd"])
+        elif execution is self.bwd and "bwd" not in self.ended:
+            self.ended["bwd"] = execution.end_backward()
+            self.on_output("bwd", self.ended["bwd"])
+
+
 @dataclass(frozen=True)
 class PairPlan:
     """Strand orders and blocks of one (forward layer, backward layer) pair."""
@@ -132,7 +151,7 @@ class LayerRunner:
         return grad
 
     def run_paired(self, fwd_layers: Sequence[int], inputs: list, rotary_pos_emb,
-                   bwd_executions: Sequence, grads: list):
+                   bwd_executions: Sequence, grads: list, on_output=None):
         """The layers of an SI block: forward of local layer `fwd_layers[i]` co-executed,
         block by block as the plan says, with the backward of `bwd_executions[i]` (given in
         backward order). Both lists have the same length. The first forward layer's input
@@ -145,6 +164,12 @@ class LayerRunner:
 
         With `streamed`, the whole SI block runs as the streamed schedule's one operator
         sequence instead (`_run_streamed`).
+
+        `on_output(direction, tensor)` ("fwd": the forward output, "bwd": the input
+        gradient) is called as soon as the last layer pair's strand of that direction has
+        run its last operator with nothing in flight, while the other strand may still run
+        (the pipeline executor sends it then); the same tensor is returned. Not called on
+        the streamed path, nor for a strand that ends with a collective in flight.
 
         Returns (forward output, forward executions in forward order, input gradient of the
         last backward execution)."""
@@ -172,11 +197,14 @@ class LayerRunner:
             unfinished = bwd if seam is not None and index < count - 1 else None
             if unfinished is not None:
                 end -= seam.tail
+            ended = {}
+            reporter = (_OutputReporter(fwd, bwd, on_output, ended)
+                        if on_output is not None and index == count - 1 else None)
             run_blocks(fwd, bwd, blocks[start:end], barrier=self.block_barriers,
-                       timeline=self.timeline)
-            x = fwd.end_forward()
+                       timeline=self.timeline, on_strand_end=reporter)
+            x = ended.pop("fwd") if "fwd" in ended else fwd.end_forward()
             if unfinished is None:
-                grad = bwd.end_backward()
+                grad = ended.pop("bwd") if "bwd" in ended else bwd.end_backward()
             executions.append(fwd)
         return x, executions, grad
 

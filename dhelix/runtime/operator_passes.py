@@ -32,6 +32,11 @@ which the chunk pass state hands from the forward to the backward; nothing else 
 A chunk's input and the gradient of its output are handed to the layer runner in
 one-element lists (`layer_runner.take_handed`): no frame here keeps them alive while the
 chunk's layers run.
+Point-to-point: a received input or output gradient may come as a `dhelix.arriving.Arriving`
+(`accepts_arriving`): the layer execution holds it pending and its first reader waits, so an
+SI block starts on whichever strand's input has landed. An SI block reports its forward
+output and its input gradient to the executor's `produced` as soon as each strand is done,
+so the executor can send it while the other strand still computes.
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from dhelix.arriving import Arriving, buffer_of
 from dhelix.ops.local_graph import enter
 from dhelix.runtime.layer_runner import LayerRunner
+from dhelix.schedules.actions import BACKWARD, FORWARD
 from dhelix.schedules.executor import BackwardWork, ForwardWork
 from megatron_patches.gpt_parts import GPTParts, PreOutput
 
@@ -69,6 +76,9 @@ class OperatorPasses:
     layers chunk by chunk (`parts.layers` order); `chunk_layers[c]` are the runner's
     indices of chunk c's layers in forward order. Batches are the captured micro-batch
     dicts (`tokens`, `position_ids`, `labels`) of `dhelix.schedules.runner`."""
+
+    # received tensors may be handed over still in flight (`dhelix.arriving.Arriving`)
+    accepts_arriving = True
 
     def __init__(self, parts: GPTParts, runner: LayerRunner, loss_at_forward: bool):
         self.parts = parts
@@ -102,8 +112,9 @@ class OperatorPasses:
             pre = self.parts.pre(batch["tokens"], batch["position_ids"])
             edge = get_gradient_edge(pre.decoder_input)
             return [pre.decoder_input.detach()], pre.rotary_pos_emb, edge
-        x = work.inp.detach()
-        pre = self.parts.pre(batch["tokens"], batch["position_ids"], decoder_input=x)
+        x = work.inp if isinstance(work.inp, Arriving) else work.inp.detach()
+        pre = self.parts.pre(batch["tokens"], batch["position_ids"],
+                             decoder_input=buffer_of(x))  # reads no value of it
         return [x], pre.rotary_pos_emb, None
 
     def _forward_tail(self, work: ForwardWork, y, rotary_pos_emb, embedding, executions):
@@ -117,7 +128,7 @@ class OperatorPasses:
         del y
         batch = work.batch
         out = self.parts.post(hidden, batch["tokens"], batch["position_ids"],
-                              batch["labels"], PreOutput(work.inp, rotary_pos_emb))
+                              batch["labels"], PreOutput(buffer_of(work.inp), rotary_pos_emb))
         return state, out
 
     def forward(self, work: ForwardWork):
@@ -172,13 +183,24 @@ class OperatorPasses:
         self.parts.finish_step()
 
     # ---------------------------------------------------------------- SI block
-    def si(self, forward: ForwardWork, backward: BackwardWork):
+    def si(self, forward: ForwardWork, backward: BackwardWork, produced=None):
         """The SI block: the backward's loss part first, then the layer pairs co-executed,
-        then the forward's loss part and the backward's embedding part."""
+        then the forward's loss part and the backward's embedding part. `produced(direction,
+        tensor)` (the executor's, or None) gets the forward's output (not on the loss chunk)
+        and the input gradient (not on the embedding chunk) as soon as its strand is done."""
         grads = self._backward_head(backward)
         inputs, rotary, embedding = self._forward_head(forward)
+        on_output = None
+        if produced is not None:
+            sends = {"fwd": (FORWARD, forward.chunk != self.loss_chunk),
+                     "bwd": (BACKWARD, backward.state.embedding is None)}
+
+            def on_output(direction, tensor):
+                kind, sent = sends[direction]
+                if sent:
+                    produced(kind, tensor)
         y, executions, grad = self.runner.run_paired(
             self.chunk_layers[forward.chunk], inputs, rotary,
-            list(reversed(backward.state.executions)), grads)
+            list(reversed(backward.state.executions)), grads, on_output)
         result = self._forward_tail(forward, y, rotary, embedding, executions)
         return result, self._backward_tail(backward, grad)

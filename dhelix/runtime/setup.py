@@ -48,7 +48,8 @@ from dhelix.options import AUTO_MEMORY_MARGIN, SEQUENTIAL, DHelixOptions, DHelix
 from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.intra_batch_passes import IntraBatchPasses
-from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, layer_lanes
+from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, layer_lanes, \
+    pipeline_gradient_group
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.operator_passes import OperatorPasses
 from dhelix.schedules.runner import ScheduleEngine
@@ -194,12 +195,13 @@ def _layer_kinds(bound_layers) -> list:
     return kinds
 
 
-def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_only: bool
-                       ) -> DHelixSetup:
+def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_only: bool,
+                       gradient_group=None) -> DHelixSetup:
     """A stack of different layers on this rank (a `--moe-layer-freq` stack of dense and
     MoE layers): one plan, built at start-up, per (forward layer, backward layer) pair an SI
     block meets, each bounded by the memory of its two layers' operators; no seams between
-    layer pairs. Local layer i meets local layer n-1-i (`bound` lists the rank's n layers
+    layer pairs (`gradient_group`: the pipeline's, `lanes.pipeline_gradient_group`). Local
+    layer i meets local layer n-1-i (`bound` lists the rank's n layers
     chunk by chunk): without pipelining the SI schedule pairs forward layer l with backward
     layer L-1-l; on a folded stage (the W schedule) the i-th layer of one chunk meets the
     i-th layer of the other chunk in backward order, the same local pairs."""
@@ -246,7 +248,8 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
                          block_barriers=options.block_barriers, pair_plans=pair_plans)
     pipelined = run.parallel.pipelined
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
-                            OperatorPasses(parts, runner, loss_at_forward=pipelined))
+                            OperatorPasses(parts, runner, loss_at_forward=pipelined),
+                            gradient_group=gradient_group)
     return DHelixSetup(parts=parts, runner=runner, plan=first_plan,
                        plan_source=f"{len(pair_plans)} layer-pair plans ({'; '.join(sources)})",
                        engine=engine, timing_only=timing_only, costs=first_costs,
@@ -485,6 +488,7 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
                                "only without the Domino split")
     lanes = layer_lanes(bound, parallel.tensor_model_parallel_size, job,
                         no_comm_timing_only=timing_only, pool=lane_pool)
+    gradient_group = pipeline_gradient_group(job, lane_pool) if pipelined else None
     if domino:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
@@ -497,7 +501,7 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
                            engine=engine, timing_only=timing_only)
     if mixed:
-        return _setup_mixed_stack(run, parts, bound, lanes, timing_only)
+        return _setup_mixed_stack(run, parts, bound, lanes, timing_only, gradient_group)
     memory = None if options.plan else _memory_bound(run, parts, bound, dags["fwd"],
                                                       dags["bwd"])
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
@@ -510,6 +514,7 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
                          seam=None if streamed else plan_seam(options, plan, dags, memory),
                          streamed=streamed)
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
-                            OperatorPasses(parts, runner, loss_at_forward=pipelined))
+                            OperatorPasses(parts, runner, loss_at_forward=pipelined),
+                            gradient_group=gradient_group)
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
                        engine=engine, timing_only=timing_only, costs=costs)

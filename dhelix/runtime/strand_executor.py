@@ -100,29 +100,42 @@ class _Strand:
 
 
 def run_block(fwd_execution, bwd_execution, block: Block, barrier: bool = True,
-              timeline=None) -> None:
+              timeline=None, on_strand_end=None) -> None:
     """Run one block: `block.fwd` on `fwd_execution` together with `block.bwd` on
     `bwd_execution`, each in the program of its current phase (normally forward and
     backward; two executions in the same direction work alike). Either side may be empty
     or None (a segment running alone). `timeline` (a `dhelix.runtime.timeline.Timeline`)
-    records what the compute thread did; None records nothing."""
+    records what the compute thread did; None records nothing. `on_strand_end(execution)`
+    is called as soon as a strand has run the last operator of its segment, while the other
+    strand may still have operators to run (None: not called)."""
     strands = [s for s in (_Strand(fwd_execution, tuple(block.fwd), 0) if block.fwd else None,
                            _Strand(bwd_execution, tuple(block.bwd), 1) if block.bwd else None)
                if s]
     with torch.no_grad():  # what every operator runs under (LayerExecution.run), set once
-        _run_strands(strands, timeline)
+        _run_strands(strands, timeline, on_strand_end)
     if barrier:
         with span_or_nothing(timeline, "barrier", "block end"):
             for strand in strands:
                 strand.execution.wait_pending()
 
 
-def _run_strands(strands: list, timeline) -> None:
-    """Run the strands' operators to the end, in the order the module docstring states."""
+def _run_strands(strands: list, timeline, on_strand_end=None) -> None:
+    """Run the strands' operators to the end, in the order the module docstring states;
+    `on_strand_end` as `run_block` says."""
     turn = 0
+    ended = set()
+
+    def report_ends():
+        for s in strands:
+            if s.done() and id(s) not in ended:
+                ended.add(id(s))
+                on_strand_end(s.execution)
+
     while any(not s.done() for s in strands):
         for strand in strands:
             strand.issue_collectives(timeline)
+        if on_strand_end is not None:
+            report_ends()
         waiting = [s for s in strands if not s.done()]
         if not waiting:
             break
@@ -134,19 +147,22 @@ def _run_strands(strands: list, timeline) -> None:
         strand = candidates[turn % len(candidates)]
         strand.run_head(timeline)
         turn += 1
+        if on_strand_end is not None and strand.done():
+            report_ends()
 
 
 def run_blocks(fwd_execution, bwd_execution, blocks: Sequence[Block],
-               barrier: bool = False, timeline=None) -> None:
+               barrier: bool = False, timeline=None, on_strand_end=None) -> None:
     """Run a layer pair's whole plan: every block in order. With `barrier` False (the
     default) a block's collectives may still be in flight when the next block starts: a
     reader waits for exactly the collective it reads, and only the end of the last block
     waits for everything (so both executions can end their programs). With `barrier` True
-    every block ends by waiting for its collectives, as the planner's cost model assumes."""
+    every block ends by waiting for its collectives, as the planner's cost model assumes.
+    `on_strand_end` is passed to every block (`run_block`)."""
     for index, block in enumerate(blocks):
         last = index == len(blocks) - 1
         run_block(fwd_execution, bwd_execution, block, barrier=barrier or last,
-                  timeline=timeline)
+                  timeline=timeline, on_strand_end=on_strand_end)
 
 
 def run_alone(execution, order: Sequence[str], timeline=None) -> None:

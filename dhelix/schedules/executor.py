@@ -19,6 +19,16 @@ is rejected before any tensor moves. Then, in list order:
 - `SEND`: `isend` of each tensor in payload order (never blocks; all sends are waited for
   at the end); `RECV`: blocking `recv` of each tensor in payload order. Each direction of a
   stage pair is FIFO with tag 0, which gives the deterministic pairing the validator proved.
+  With a `gradient_group` (a second group over the same ranks) gradients travel on it and
+  activations on the default group: two FIFO channels a direction, each keeping the
+  validator's order, so neither kind queues behind the other.
+- Early sends: an SI block's two outputs bound for the SEND right after it are sent as soon
+  as the engine reports each final (`passes.si(..., produced=...)`), while the rest of the
+  block still runs, in the SEND's order on each channel (with one channel, a tensor waits
+  for those before it in the payload). The SEND then posts only what was not sent.
+- Receives the engine can start before (`passes.accepts_arriving`): a RECV posts every
+  `irecv` of its payload at once and hands the buffers on as `dhelix.arriving.Arriving`;
+  the engine waits on each where it reads it. Other engines get the received tensors.
 
 How a pass computes is the pass engine's business (`passes`): `AutogradPasses` runs the
 chunk module with autograd (SI blocks forward, then backward); the DHelix runtime's engine
@@ -59,6 +69,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dhelix.arriving import Arriving
 from dhelix.schedules.actions import BACKWARD, FORWARD, Action, Pass, Schedule, TensorRef
 from dhelix.schedules.validate import validate
 
@@ -123,9 +134,14 @@ class AutogradPasses:
                                 grad_tensors=work.grad)
         return None if inp is None else inp.grad
 
-    def si(self, forward: ForwardWork, backward: BackwardWork):
-        """(forward's (state, output), backward's input gradient), run one after the other."""
-        return self.forward(forward), self.backward(backward)
+    def si(self, forward: ForwardWork, backward: BackwardWork, produced=None):
+        """(forward's (state, output), backward's input gradient), run one after the other;
+        the forward's output is reported to `produced(FORWARD, output)` before the backward
+        runs (the executor may send it then)."""
+        result = self.forward(forward)
+        if produced is not None:
+            produced(FORWARD, result[1])
+        return result, self.backward(backward)
 
 
 class StageExecutor:
@@ -141,13 +157,17 @@ class StageExecutor:
     peer_rank(stage) -> global rank of that pipeline stage.
     no_sync() -> context manager: Megatron DDP's `config.no_sync_func` (module docstring for
         the rule), None for none.
+    gradient_group: the process group gradients travel on (the same ranks as the default
+        group's pipeline peers, created on every rank of the pipeline); None: the default
+        group carries both kinds.
     """
 
     def __init__(self, schedule: Schedule, stage: int, *, passes,
                  loss_func: Callable, next_batch: Callable, tensor_shape: tuple,
                  dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int],
                  grad_scale_func: Callable | None = None, context_parallel_size: int = 1,
-                 loss_is_scaled: bool = False, no_sync: Callable | None = None):
+                 loss_is_scaled: bool = False, no_sync: Callable | None = None,
+                 gradient_group=None):
         self.schedule = schedule
         self.stage = stage
         self.path = schedule.path
@@ -163,6 +183,8 @@ class StageExecutor:
         self.cp = context_parallel_size
         self.loss_is_scaled = loss_is_scaled
         self.no_sync = no_sync or contextlib.nullcontext
+        self.gradient_group = gradient_group
+        self.arriving = bool(getattr(passes, "accepts_arriving", False))
         self.actions = schedule.ranks[stage]
         backward_at = [i for i, a in enumerate(self.actions) if a.backward is not None]
         self._sync_from = backward_at[-1] if backward_at else len(self.actions)
@@ -177,6 +199,7 @@ class StageExecutor:
         self._saved: dict = {}      # (mb, forward hop) -> (engine state, scaled loss or None)
         self._ready: dict = {}      # TensorRef -> tensor (received or produced, not yet used)
         self._sends: list = []      # (work, tensor) pending isends
+        self._sent_early: set = set()  # TensorRefs of the next SEND already sent
         self.losses: list = []      # loss_func infos, in micro-batch order of the loss hop
 
     def run(self) -> list:
@@ -198,8 +221,10 @@ class StageExecutor:
         return self.losses
 
     def _run_actions(self, actions) -> None:
-        for action in actions:
-            self._execute(action)
+        for index, action in enumerate(actions):
+            upcoming = actions[index + 1] if index + 1 < len(actions) else None
+            self._execute(action, upcoming if upcoming is not None
+                          and upcoming.kind == "SEND" else None)
             if self._sends:
                 self._release_finished_sends()
             self.actions_run += 1
@@ -210,19 +235,64 @@ class StageExecutor:
         self._sends = [(work, tensor) for work, tensor in self._sends
                        if not work.is_completed()]
 
-    def _execute(self, action: Action) -> None:
+    def _group(self, ref: TensorRef):
+        """The group `ref`'s kind travels on (None: the default group)."""
+        return self.gradient_group if ref.direction == BACKWARD else None
+
+    def _channel(self, ref: TensorRef) -> str:
+        return ref.direction if self.gradient_group is not None else "one"
+
+    def _send(self, action: Action, ref: TensorRef, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        self._check_shape(tensor, ref)
+        work = dist.isend(tensor, dst=self.peer_rank(action.peer), group=self._group(ref))
+        self._sends.append((work, tensor))
+
+    def _early_sender(self, action: Action, send: Action) -> Callable:
+        """The `produced(direction, tensor)` callback of the SI block `action`, followed by
+        `send`: sends each output of `send`'s payload once it and its predecessors on its
+        channel were reported (module docstring). Holds a reported tensor until then (the
+        engine returns it too; the SEND skips what went early)."""
+        passes = {FORWARD: action.forward, BACKWARD: action.backward}
+        held: dict = {}
+
+        def produced(direction: str, tensor: torch.Tensor) -> None:
+            ref = TensorRef(passes[direction].microbatch, direction, passes[direction].hop)
+            if ref not in send.tensors or ref in self._sent_early:
+                return
+            held[ref] = tensor
+            blocked = set()
+            for r in send.tensors:
+                if r in self._sent_early:
+                    continue
+                if r in held and self._channel(r) not in blocked:
+                    self._send(send, r, held.pop(r))
+                    self._sent_early.add(r)
+                else:
+                    blocked.add(self._channel(r))
+
+        return produced
+
+    def _execute(self, action: Action, upcoming_send: Action | None = None) -> None:
         if action.kind == "SEND":
-            peer = self.peer_rank(action.peer)
             for ref in action.tensors:
-                tensor = self._ready.pop(ref).detach().contiguous()
-                self._check_shape(tensor, ref)
-                self._sends.append((dist.isend(tensor, dst=peer), tensor))
+                tensor = self._ready.pop(ref)
+                if ref in self._sent_early:
+                    self._sent_early.discard(ref)
+                    continue
+                self._send(action, ref, tensor)
+            if self._sent_early:
+                raise RuntimeError(f"stage {self.stage}: sent early but not in the SEND that "
+                                   f"followed: {sorted(r.label() for r in self._sent_early)}")
         elif action.kind == "RECV":
             peer = self.peer_rank(action.peer)
+            posted = []
             for ref in action.tensors:
                 buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
-                dist.recv(buffer, src=peer)
-                self._ready[ref] = buffer
+                posted.append((ref, Arriving(buffer, dist.irecv(buffer, src=peer,
+                                                                group=self._group(ref)))))
+            for ref, arriving in posted:
+                self._ready[ref] = arriving if self.arriving else arriving.landed()
         elif action.kind == "F":
             work = self._forward_work(action.forward)
             self._forward_done(action.forward, *self.passes.forward(work))
@@ -232,7 +302,11 @@ class StageExecutor:
         else:  # SI
             forward = self._forward_work(action.forward)
             backward = self._backward_work(action.backward)
-            (state, out), grad = self.passes.si(forward, backward)
+            if upcoming_send is None:
+                (state, out), grad = self.passes.si(forward, backward)
+            else:
+                (state, out), grad = self.passes.si(
+                    forward, backward, produced=self._early_sender(action, upcoming_send))
             self._forward_done(action.forward, state, out)
             self._backward_done(action.backward, grad)
 

@@ -1,0 +1,56 @@
+"""`Arriving`: a tensor still being received (a point-to-point `irecv` posted and not yet
+waited on), handed to code that can start before its values land.
+
+The pipeline executor (`dhelix.schedules.executor`) posts the receives of a RECV action at
+once and hands the buffers to a pass engine that takes them as `Arriving` (the DHelix
+engine: a layer execution holds one as a pending value, so the strand executor waits for it
+only when an operator reads it and runs the other strand meanwhile). Everyone else calls
+`landed()` first.
+
+Guarantees: the receive is waited on at most once, however often `wait()` / `landed()` are
+called (a second wait on a gloo point-to-point Work never returns). The buffer belongs to
+whoever holds the `Arriving`; it lives on the device the receiver allocated it on; waiting
+blocks the host on CPU ranks and orders the current stream after the receive with NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Arriving:
+    """The buffer `tensor` of a receive and its Work; usable wherever a collective's Work
+    is (`wait()`, `is_completed()`)."""
+
+    __slots__ = ("tensor", "_work", "_waited")
+
+    def __init__(self, tensor: torch.Tensor, work):
+        self.tensor = tensor
+        self._work = work
+        self._waited = False
+
+    def wait(self) -> bool:
+        """Wait for the receive (once; later calls return at once)."""
+        if not self._waited:
+            self._work.wait()
+            self._waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or self._work.is_completed()
+
+    def landed(self) -> torch.Tensor:
+        """The buffer, after waiting for the receive."""
+        self.wait()
+        return self.tensor
+
+
+def landed(value):
+    """`value` itself, or an `Arriving`'s buffer once received."""
+    return value.landed() if isinstance(value, Arriving) else value
+
+
+def buffer_of(value):
+    """`value` itself, or an `Arriving`'s buffer without waiting (for code that passes the
+    tensor on without reading its values)."""
+    return value.tensor if isinstance(value, Arriving) else value

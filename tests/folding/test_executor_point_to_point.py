@@ -1,0 +1,170 @@
+"""The pipeline executor's point-to-point transfers on 2 real gloo ranks (one launch): the W
+schedule (p = 2, m = 5) on a toy folded model whose SI blocks prove, by waiting for the
+peer, that
+
+- an SI block's output bound for the next SEND leaves while the block still runs (early
+  send): after reporting it, stage 0's block waits until stage 1's SI block has landed that
+  many tensors of its kind, which never happens if the tensor waits for the SEND (only
+  stage 0 waits: waits in both directions would wait for each other);
+- a RECV hands the engine its tensors still in flight (`dhelix.arriving.Arriving`): the
+  peer's SI block lands the early tensor before the other one was even sent;
+- with a gradient group, a gradient reported before the activation of the same payload is
+  sent at once (a channel of its own); on the one default channel it waits for the
+  activation before it in the payload;
+
+and that every variant gives the plain autograd engine's losses and gradients exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dhelix.harness import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+M = 5
+SHAPE = (4, 1, 8)  # [sequence, batch, hidden] of the pipeline's tensors
+WAIT_S = 60.0
+
+
+def _toy_engine(executor_box, store, tag, first, weights):
+    """An autograd engine over `weights[chunk]` (tanh of a matmul a chunk) that takes
+    arriving inputs and runs its SI blocks `first` ("F" or "B") first, as the module
+    docstring describes. `executor_box[0]`: the executor (to see what it sent early)."""
+    import time
+
+    from dhelix.arriving import Arriving, landed
+    from dhelix.schedules.executor import AutogradPasses
+
+    def chunk(batch, c, inp):
+        import torch
+
+        return torch.tanh((batch if inp is None else inp) @ weights[c])
+
+    class Toy(AutogradPasses):
+        accepts_arriving = True
+
+        def __init__(self):
+            super().__init__(chunk)
+            self.early = []  # (kind, sent at once) per reported output bound for the peer
+
+        def forward(self, work):
+            work.inp = landed(work.inp)
+            return super().forward(work)
+
+        def backward(self, work):
+            work.grad = landed(work.grad)
+            return super().backward(work)
+
+        def _land_counted(self, kind, value):
+            if isinstance(value, Arriving):
+                value.landed()
+                store.add(f"{tag}/landed/{kind}/{executor_box[0].stage}", 1)
+
+        def _report(self, kind, tensor, produced):
+            executor = executor_box[0]
+            before = len(executor._sent_early)
+            produced(kind, tensor)
+            if len(executor._sent_early) > before:
+                self.early.append((kind, True))
+                if executor.stage != 0:
+                    return
+                sent = sum(1 for k, s in self.early if k == kind and s)
+                peer = 1
+                deadline = time.monotonic() + WAIT_S
+                while int(store.add(f"{tag}/landed/{kind}/{peer}", 0)) < sent:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{tag}: the peer never landed {kind} #{sent}")
+                    time.sleep(0.01)
+            else:
+                self.early.append((kind, False))
+
+        def si(self, forward, backward, produced=None):
+            results = {}
+            for kind in (first, "B" if first == "F" else "F"):
+                if kind == "F":
+                    self._land_counted("F", forward.inp)
+                    forward.inp = landed(forward.inp)
+                    results["F"] = super().forward(forward)
+                    output = results["F"][1]
+                else:
+                    self._land_counted("B", backward.grad)
+                    backward.grad = landed(backward.grad)
+                    results["B"] = output = super().backward(backward)
+                if produced is not None and output is not None:
+                    self._report(kind, output, produced)
+            return results["F"], results["B"]
+
+    return Toy()
+
+
+def _run(ctx, store, tag, engine: str, gradient_group):
+    import torch
+    import torch.distributed as dist
+
+    from dhelix.schedules.executor import AutogradPasses, StageExecutor
+    from dhelix.schedules.w_schedule import build_w_schedule
+
+    cpu = torch.device("cpu")
+    stage = ctx.rank
+    gen = torch.Generator(device=cpu).manual_seed(stage)
+    weights = [(torch.randn(8, 8, generator=gen, device=cpu) / 3).requires_grad_()
+               for _ in range(2)]
+    seeds = [torch.Generator(device=cpu).manual_seed(100 + i) for i in range(M)]
+    batches = iter([torch.randn(SHAPE, generator=seed, device=cpu) for seed in seeds])
+    box = []
+    if engine == "plain":
+        passes = AutogradPasses(lambda batch, c, inp: torch.tanh(
+            (batch if inp is None else inp) @ weights[c]))
+    else:
+        passes = _toy_engine(box, store, tag, engine, weights)
+    executor = StageExecutor(
+        build_w_schedule(2, M), stage, passes=passes,
+        loss_func=lambda batch, out: (out.square().mean(),
+                                      {"loss": out.square().mean().detach()}),
+        next_batch=lambda: next(batches), tensor_shape=SHAPE, dtype=torch.float32,
+        device=cpu, peer_rank=lambda s: s, gradient_group=gradient_group)
+    box.append(executor)
+    losses = [float(d["loss"]) for d in executor.run()]
+    dist.barrier()
+    return {"losses": losses, "grads": [w.grad.clone() for w in weights],
+            "early": getattr(passes, "early", None)}
+
+
+def _variants(ctx):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    store = dist.distributed_c10d._get_default_store()
+    gradients = dist.new_group([0, 1])
+    return {
+        "plain": _run(ctx, store, "plain", "plain", None),
+        "forward_first": _run(ctx, store, "ff", "F", None),
+        "backward_first_one_channel": _run(ctx, store, "b1", "B", None),
+        "backward_first_two_channels": _run(ctx, store, "b2", "B", gradients),
+    }
+
+
+def test_early_sends_arriving_receives_and_the_gradient_channel():
+    import torch
+
+    results = run_on_ranks(_variants, 2, timeout_s=240)
+    for stage, runs in enumerate(results):
+        plain = runs["plain"]
+        for name in ("forward_first", "backward_first_one_channel",
+                     "backward_first_two_channels"):
+            assert runs[name]["losses"] == plain["losses"], (stage, name)
+            for got, want in zip(runs[name]["grads"], plain["grads"]):
+                assert torch.equal(got, want), (stage, name)
+        # stage 0 computes the losses (the folded model's last hop)
+        assert len(results[0]["plain"]["losses"]) == M and results[1]["plain"]["losses"] == []
+        # the first kind of every SI block's outputs bound for the peer left at once; each
+        # SI block on p = 2 sends an activation and a gradient (m - p = 3 blocks a stage)
+        assert runs["forward_first"]["early"] == [("F", True), ("B", True)] * (M - 2)
+        assert runs["backward_first_two_channels"]["early"] == [("B", True), ("F", True)] \
+            * (M - 2)
+        # one channel: the gradient waits for the activation ahead of it in the payload,
+        # and both leave when the activation is reported
+        assert runs["backward_first_one_channel"]["early"] == [("B", False), ("F", True)] \
+            * (M - 2)
