@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from dhelix.dag import save_dag, topological_sort
@@ -52,6 +53,7 @@ from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, la
     pipeline_gradient_group
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.operator_passes import OperatorPasses
+from dhelix.runtime.transfer_probe import measure_transfer_ms
 from dhelix.schedules.runner import ScheduleEngine
 from dhelix.schedules.sequential import build_no_pipelining_schedule
 from dhelix.schedules.si_schedule import build_si_schedule
@@ -63,6 +65,7 @@ from planner.blocks import Seam, check_pairing, layer_seam
 from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
 from planner.memory import MIB, layer_activation_bytes, make_bound, seam_peak
+from planner.pipeline_transfers import si_block_ms
 from planner.streamed import StreamedPlanner
 from planner.plan import PlanMismatch, load_checked_plan
 from dhelix.file_formats import REGENERATE
@@ -442,6 +445,46 @@ def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, me
     return streamed, summary
 
 
+def _transfer_ms(run: DHelixRun, parts: GPTParts, gradient_group) -> float | None:
+    """One pipeline transfer's time on this cluster (`transfer_probe.measure_transfer_ms`),
+    where `choose_for_transfers` will use it: on a folded stage (`gradient_group`) whose dp
+    plan is built at start-up (no `--dhelix-plan` file; not the baselines' pairers); else
+    None. Decided from the run's options alone, the same on every rank, since the probe is
+    collective over the world (a rank holding a mixed dense/MoE stack probes too and does
+    not use it)."""
+    options = run.options
+    if gradient_group is None or options.pairer != "dp" or options.plan:
+        return None
+    from megatron.core import parallel_state
+
+    shape = (run.model.seq_length // (run.parallel.tensor_model_parallel_size
+                                      if run.parallel.sequence_parallel else 1),
+             run.parallel.micro_batch_size, run.model.hidden_size)
+    dtype = torch.bfloat16 if run.model.dtype == "bf16" else torch.float32
+    return measure_transfer_ms(shape, dtype, model_device(parts.model),
+                               parallel_state.get_pipeline_model_parallel_group(),
+                               gradient_group)
+
+
+def choose_for_transfers(parts: GPTParts, dags: dict, plan, costs, memory,
+                         transfer_ms: float) -> tuple:
+    """On a folded stage, the dp plan or the sequential pairing, whichever gives the shorter
+    SI block with the pipeline's transfers of `transfer_ms` each (`planner.pipeline_
+    transfers`: the dp plan may end both strands together, so both outputs wait for the
+    block's end): (the plan to run, the phrase for the plan line). Deterministic given the
+    costs, the bound and the transfer time (the same on every rank)."""
+    sequential = make_plan(dags["fwd"], dags["bwd"], costs, pairer=SEQUENTIAL,
+                           model=plan.fingerprint["model"], parallel=plan.fingerprint["parallel"],
+                           command=plan.command, memory=memory)
+    pairs = max(si_block_pairs(parts))
+    dp_ms, seq_ms = (si_block_ms(p, pairs, transfer_ms) for p in (plan, sequential))
+    chosen = sequential if seq_ms < dp_ms else plan
+    return chosen, (f"pipeline transfers of {transfer_ms:.2f} ms: an SI block of {pairs} layer "
+                    f"pairs {dp_ms:.2f} ms with the dp plan, {seq_ms:.2f} ms with the "
+                    f"sequential pairing (both outputs' transfers counted): runs the "
+                    f"{'sequential pairing' if chosen is sequential else 'dp plan'}")
+
+
 def plan_seam(options: DHelixOptions, plan, dags, memory=None) -> Seam | None:
     """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
     or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
@@ -489,6 +532,7 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     lanes = layer_lanes(bound, parallel.tensor_model_parallel_size, job,
                         no_comm_timing_only=timing_only, pool=lane_pool)
     gradient_group = pipeline_gradient_group(job, lane_pool) if pipelined else None
+    transfer_ms = _transfer_ms(run, parts, gradient_group)
     if domino:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
@@ -507,6 +551,9 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
     streamed, verdict = choose_streamed(run, parts, dags, plan, costs, memory)
     if verdict:
+        source += "; " + verdict
+    if transfer_ms is not None and streamed is None:
+        plan, verdict = choose_for_transfers(parts, dags, plan, costs, memory, transfer_ms)
         source += "; " + verdict
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
