@@ -157,9 +157,9 @@ class StageExecutor:
     peer_rank(stage) -> global rank of that pipeline stage.
     no_sync() -> context manager: Megatron DDP's `config.no_sync_func` (module docstring for
         the rule), None for none.
-    gradient_group: the process group gradients travel on (the same ranks as the default
-        group's pipeline peers, created on every rank of the pipeline); None: the default
-        group carries both kinds.
+    gradient_group: the process group gradients travel on (a group holding this stage's
+        pipeline peers, e.g. `dhelix.runtime.lanes.pipeline_gradient_group`, created on
+        every rank of the world); None: the default group carries both kinds.
     """
 
     def __init__(self, schedule: Schedule, stage: int, *, passes,
