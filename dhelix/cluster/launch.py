@@ -36,11 +36,10 @@ from pathlib import Path
 from dhelix.cluster.comm_priority import CommThreadPriority
 from dhelix.cluster.cores import CorePlacement, pin_prefix
 from dhelix.cluster.host import ClusterError, Host
-from dhelix.cluster.naming import NODE_IFNAME, RunNames
-
-GLOO_DEVICES = 2  # gloo devices per rank, all on the node's link (module docstring)
+from dhelix.cluster.naming import GLOO_DEVICES_ENV, NODE_IFNAME, RunNames
 from dhelix.cluster.output import LinePump
 
+GLOO_DEVICES = 2  # gloo devices per rank, all on the node's link (module docstring)
 TIMEOUT_EXIT_CODE = 124
 POLL_S = 0.05
 PRIORITY_SCAN_S = 0.25  # how often new communication threads are looked for
@@ -93,8 +92,8 @@ class NodeJob:
     def environment(self, node: int, base: dict | None = None) -> dict:
         env = dict(os.environ if base is None else base)
         env.update(self.extra_env)
+        env[GLOO_DEVICES_ENV] = ",".join([NODE_IFNAME] * GLOO_DEVICES)
         env.update(
-            GLOO_SOCKET_IFNAME=",".join([NODE_IFNAME] * GLOO_DEVICES),
             DHELIX_NUM_NODES=str(self.nodes),
             DHELIX_RANKS_PER_NODE=str(self.ranks_per_node),
             DHELIX_NODE_RANK=str(node),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 PREFIX = "dhxc"
 NODE_IFNAME = "eth0"
+GLOO_DEVICES_ENV = "GLOO_SOCKET_IFNAME"  # gloo opens one device per comma-separated name
 BRIDGE_IFNAME = "br0"
 SUBNET = ipaddress.IPv4Network("10.77.0.0/24")
 MAX_NODES = 250  # host addresses .1 .. .250 of SUBNET

@@ -49,9 +49,9 @@ from torch._C._distributed_c10d import Work
 
 from dhelix.c10d_ops import process_group_of
 from dhelix.cluster.host_threads import HOST_THREAD_PREFIX, name_current_thread
+from dhelix.cluster.naming import GLOO_DEVICES_ENV
 from dhelix.gpu_emulation.aten_costs import op_name
 
-GLOO_DEVICES_ENV = "GLOO_SOCKET_IFNAME"  # gloo opens one device per comma-separated name
 WATCHER_THREAD_NAME = HOST_THREAD_PREFIX + "a2a"
 
 

@@ -89,12 +89,10 @@ class Lanes:
             raise ValueError(f"unknown communication channels {unknown}; known: {COMM_LANES}")
         lanes = cls(no_comm_timing_only=no_comm_timing_only)
         for role, group in role_groups.items():
-            for lane in COMM_LANES:
-                if lane not in by_role.get(role, ()):
-                    continue
-                for slot in STRAND_SLOTS:
-                    lanes.groups[(role, lane, slot)] = clone_group(group, (lane, slot), job,
-                                                                   pool)
+            tags = [(lane, slot) for lane in COMM_LANES if lane in by_role.get(role, ())
+                    for slot in STRAND_SLOTS]
+            for tag, clone in zip(tags, clone_group(group, tags, job, pool)):
+                lanes.groups[(role, *tag)] = clone
         return lanes
 
     def attach(self, execution) -> None:
@@ -104,25 +102,26 @@ class Lanes:
         execution.no_comm_timing_only = self.no_comm_timing_only
 
 
-def clone_group(group, tag: tuple, job: Job, pool: LanePool | None = None):
-    """This rank's clone of `group`: a group with its ranks, made for every group of the
-    world with the same role (every rank calls this with its own group of that role, in the
-    same order: torch.distributed.new_group is a collective over the world), with `job`'s
-    timeout; taken from `pool` under (ranks, *tag) when it has one, else created and
-    added to it."""
+def clone_group(group, tags: list, job: Job, pool: LanePool | None = None) -> list:
+    """This rank's clones of `group`, one per tag in `tags`: groups with its ranks, made for
+    every group of the world with the same role (every rank calls this with its own group of
+    that role and the same tags, in the same order: torch.distributed.new_group is a
+    collective over the world), with `job`'s timeout; each taken from `pool` under
+    (ranks, *tag) when it has one, else created and added to it."""
     mine = tuple(dist.get_process_group_ranks(group))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    found = None
-    for ranks in sorted(set(everyone)):
-        key = (ranks, *tag)
-        clone = pool.groups.get(key) if pool is not None else None
-        if clone is None:
-            clone = dist.new_group(list(ranks), timeout=job.timeout)
-            if pool is not None:
-                pool.groups[key] = clone
-        if ranks == mine:
-            found = clone
+    found = []
+    for tag in tags:
+        for ranks in sorted(set(everyone)):
+            key = (ranks, *tag)
+            clone = pool.groups.get(key) if pool is not None else None
+            if clone is None:
+                clone = dist.new_group(list(ranks), timeout=job.timeout)
+                if pool is not None:
+                    pool.groups[key] = clone
+            if ranks == mine:
+                found.append(clone)
     return found
 
 
@@ -133,8 +132,9 @@ def pipeline_gradient_group(job: Job, pool: LanePool | None = None):
     state must exist."""
     from megatron.core import parallel_state
 
-    return clone_group(parallel_state.get_pipeline_model_parallel_group(), ("pp-grad",),
-                       job, pool)
+    (clone,) = clone_group(parallel_state.get_pipeline_model_parallel_group(), [("pp-grad",)],
+                           job, pool)
+    return clone
 
 
 def comm_channels(bound_layers, role: str | None = None) -> tuple:

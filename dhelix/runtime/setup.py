@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from dhelix.dag import save_dag, topological_sort
@@ -54,7 +53,7 @@ from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, la
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.operator_passes import OperatorPasses
 from dhelix.runtime.transfer_probe import measure_transfer_ms
-from dhelix.schedules.runner import ScheduleEngine
+from dhelix.schedules.runner import ScheduleEngine, pipeline_dtype, pipeline_shape
 from dhelix.schedules.sequential import build_no_pipelining_schedule
 from dhelix.schedules.si_schedule import build_si_schedule
 from dhelix.schedules.w_schedule import build_w_schedule
@@ -457,13 +456,11 @@ def _transfer_ms(run: DHelixRun, parts: GPTParts, gradient_group) -> float | Non
         return None
     from megatron.core import parallel_state
 
-    shape = (run.model.seq_length // (run.parallel.tensor_model_parallel_size
-                                      if run.parallel.sequence_parallel else 1),
-             run.parallel.micro_batch_size, run.model.hidden_size)
-    dtype = torch.bfloat16 if run.model.dtype == "bf16" else torch.float32
-    return measure_transfer_ms(shape, dtype, model_device(parts.model),
-                               parallel_state.get_pipeline_model_parallel_group(),
-                               gradient_group)
+    config = parts.model.config
+    return measure_transfer_ms(
+        pipeline_shape(config, run.model.seq_length, run.parallel.micro_batch_size),
+        pipeline_dtype(config), model_device(parts.model),
+        parallel_state.get_pipeline_model_parallel_group(), gradient_group)
 
 
 def choose_for_transfers(parts: GPTParts, dags: dict, plan, costs, memory,

@@ -236,8 +236,8 @@ class ScheduleEngine:
             next_batch=partial(self._next_batch, forward_step_func, data_iterator, chunk,
                                folded, schedule.path.stage(FORWARD, schedule.path.num_hops - 1)
                                == stage),
-            tensor_shape=_pipeline_shape(config, seq_length, micro_batch_size),
-            dtype=config.pipeline_dtype or config.params_dtype, device=device,
+            tensor_shape=pipeline_shape(config, seq_length, micro_batch_size),
+            dtype=pipeline_dtype(config), device=device,
             peer_rank=lambda s: dist.get_global_rank(pp_group, s),
             grad_scale_func=config.grad_scale_func,
             context_parallel_size=loss.cp, no_sync=config.no_sync_func,
@@ -274,7 +274,12 @@ class ScheduleEngine:
                 "in different actions); drop --overlap-grad-reduce")
 
 
-def _pipeline_shape(config, seq_length, micro_batch_size) -> tuple:
+def pipeline_dtype(config) -> torch.dtype:
+    """The dtype of the activations and gradients stages exchange (Megatron's rule)."""
+    return config.pipeline_dtype or config.params_dtype
+
+
+def pipeline_shape(config, seq_length, micro_batch_size) -> tuple:
     """The shape of the activations and gradients stages exchange ([s/tp with SP, b, h])."""
     if seq_length is None or micro_batch_size is None:
         return ()
