@@ -84,12 +84,13 @@ class ExchangeWork(Work):
             self._error = error
         works.clear()
         # the tensors are released before the waiters wake: a waiter's next allocations
-        # must not see them alive (the benchmark's peak memory)
-        self._done.set()
+        # must not see them alive (the benchmark's peak memory); the future is settled
+        # before the event, so a waiter that woke sees it done too
         if self._error is None:
             self._future.set_result(None)
         else:
             self._future.set_exception(self._error)
+        self._done.set()
 
     def wait(self, timeout=None):
         # c10d's Work.wait: a timedelta, zero (its default through the binding) = none
