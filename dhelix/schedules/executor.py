@@ -16,8 +16,9 @@ is rejected before any tensor moves. Then, in list order:
   pass engine together (`passes.si`).
 - A forward-only schedule (evaluation) computes the loss on the last hop and keeps nothing
   for a backward; run it under `torch.no_grad()`.
-- `SEND`: `isend` of each tensor in payload order (never blocks; all sends are waited for
-  at the end); `RECV`: blocking `recv` of each tensor in payload order. Each direction of a
+- `SEND`: `isend` of each tensor in payload order (never blocks; each sent tensor is
+  held until its send completed, `dhelix.schedules.sends_in_flight`, and all sends are
+  waited for at the end); `RECV`: blocking `recv` of each tensor in payload order. Each direction of a
   stage pair is FIFO with tag 0, which gives the deterministic pairing the validator proved.
   With a `gradient_group` (a second group over the same ranks) gradients travel on it and
   activations on the default group: two FIFO channels a direction, each keeping the
@@ -71,6 +72,7 @@ import torch.distributed as dist
 
 from dhelix.arriving import Arriving
 from dhelix.schedules.actions import BACKWARD, FORWARD, Action, Pass, Schedule, TensorRef
+from dhelix.schedules.sends_in_flight import SendsInFlight
 from dhelix.schedules.validate import validate
 
 _VALIDATED: "weakref.WeakValueDictionary[int, Schedule]" = weakref.WeakValueDictionary()
@@ -198,7 +200,7 @@ class StageExecutor:
         self._fetched = 0
         self._saved: dict = {}      # (mb, forward hop) -> (engine state, scaled loss or None)
         self._ready: dict = {}      # TensorRef -> tensor (received or produced, not yet used)
-        self._sends: list = []      # (work, tensor) pending isends
+        self._sends = SendsInFlight()  # isends not seen complete, with their tensors
         self._sent_early: set = set()  # TensorRefs of the next SEND already sent
         self.losses: list = []      # loss_func infos, in micro-batch order of the loss hop
 
@@ -207,12 +209,14 @@ class StageExecutor:
         infos computed on this rank (empty unless it holds the route's last hop)."""
         validate_once(self.schedule)
         self.actions_run = 0
-        with self.no_sync():
-            self._run_actions(self.actions[:self._sync_from])
-        self._run_actions(self.actions[self._sync_from:])
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+        try:
+            with self.no_sync():
+                self._run_actions(self.actions[:self._sync_from])
+            self._run_actions(self.actions[self._sync_from:])
+        except BaseException:
+            self._sends.abandon()  # a send to a failed peer must not hang the error path
+            raise
+        self._sends.finish()
         leftovers = [f"{len(self._saved)} saved activations" if self._saved else "",
                      f"{len(self._ready)} unused tensors" if self._ready else ""]
         leftovers = [x for x in leftovers if x]
@@ -226,14 +230,9 @@ class StageExecutor:
             self._execute(action, upcoming if upcoming is not None
                           and upcoming.kind == "SEND" else None)
             if self._sends:
-                self._release_finished_sends()
+                # a sent tensor lives until its send completed, not until the step's end
+                self._sends.release_finished()
             self.actions_run += 1
-
-    def _release_finished_sends(self) -> None:
-        """Drop the buffers of sends that have completed, so a sent activation does not
-        live until the end of the step."""
-        self._sends = [(work, tensor) for work, tensor in self._sends
-                       if not work.is_completed()]
 
     def _group(self, ref: TensorRef):
         """The group `ref`'s kind travels on (None: the default group)."""
@@ -246,7 +245,7 @@ class StageExecutor:
         tensor = tensor.detach().contiguous()
         self._check_shape(tensor, ref)
         work = dist.isend(tensor, dst=self.peer_rank(action.peer), group=self._group(ref))
-        self._sends.append((work, tensor))
+        self._sends.add(work, tensor)
 
     def _early_sender(self, action: Action, send: Action) -> Callable:
         """The `produced(direction, tensor)` callback of the SI block `action`, followed by

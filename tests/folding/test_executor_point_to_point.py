@@ -13,6 +13,9 @@ peer, that
   activation before it in the payload;
 
 and that every variant gives the plain autograd engine's losses and gradients exactly.
+The same launch checks `dhelix.schedules.sends_in_flight.SendsInFlight` on gloo: a sent
+tensor is dropped (its storage freed) once the peer received it, mid-step, not at the
+step's end (gloo's point-to-point Works report `is_completed()` False until waited on).
 """
 
 from __future__ import annotations
@@ -132,6 +135,51 @@ def _run(ctx, store, tag, engine: str, gradient_group):
             "early": getattr(passes, "early", None)}
 
 
+def _sends_released(ctx) -> dict:
+    """Rank 0 sends 4 tensors held only by a `SendsInFlight`; once rank 1 has received them
+    (a barrier after its waits), rank 0's `release_finished()` drops them within 30 s."""
+    import time
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from dhelix.schedules.sends_in_flight import SendsInFlight
+
+    cpu = torch.device("cpu")
+    out = {}
+    if ctx.rank == 0:
+        sends, alive = SendsInFlight(), []
+        for i in range(4):
+            tensor = torch.full((1 << 16,), float(i), device=cpu)
+            alive.append(weakref.ref(tensor))
+            sends.add(dist.isend(tensor, dst=1), tensor)
+        del tensor
+        out["held_after_posting"] = len(sends)  # (the watcher may have dropped some)
+        gloo_reports = [dist.isend(torch.ones(4, device=cpu), dst=1)]
+        dist.barrier()  # rank 1 has received everything
+        deadline = time.monotonic() + 30
+        while len(sends) and time.monotonic() < deadline:
+            sends.release_finished()
+            time.sleep(0.01)
+        out["held_after_receipt"] = (len(sends), sends.held_bytes())
+        out["freed"] = [ref() is None for ref in alive]
+        # what the executor saw before: the plain Work, not waited on, still "in flight"
+        out["gloo_is_completed"] = gloo_reports[0].is_completed()
+        gloo_reports[0].wait()
+        sends.finish()
+    else:
+        received = [torch.empty(1 << 16, device=cpu) for _ in range(5)]
+        works = [dist.irecv(t, src=0) for t in received[:4]]
+        works.append(dist.irecv(torch.empty(4, device=cpu), src=0))
+        for work in works:
+            work.wait()
+        dist.barrier()
+        out["received"] = [float(t[0]) for t in received[:4]]
+    dist.barrier()
+    return out
+
+
 def _variants(ctx):
     import torch.distributed as dist
 
@@ -139,6 +187,7 @@ def _variants(ctx):
     store = dist.distributed_c10d._get_default_store()
     gradients = dist.new_group([0, 1])
     return {
+        "sends": _sends_released(ctx),
         "plain": _run(ctx, store, "plain", "plain", None),
         "forward_first": _run(ctx, store, "ff", "F", None),
         "backward_first_one_channel": _run(ctx, store, "b1", "B", None),
@@ -150,6 +199,11 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
     import torch
 
     results = run_on_ranks(_variants, 2, timeout_s=240)
+    sender = results[0]["sends"]
+    assert sender["held_after_posting"] == 4
+    assert sender["held_after_receipt"] == (0, 0) and sender["freed"] == [True] * 4
+    assert sender["gloo_is_completed"] is False  # why a watcher thread waits for them
+    assert results[1]["sends"]["received"] == [0.0, 1.0, 2.0, 3.0]
     for stage, runs in enumerate(results):
         plain = runs["plain"]
         for name in ("forward_first", "backward_first_one_channel",
