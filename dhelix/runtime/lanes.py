@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dhelix.parallel import Job
+from dhelix.schedules.transfer_groups import TransferGroups
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ STRAND_SLOTS = (0, 1)
 @dataclass
 class LanePool:
     """Process groups this process has created, by (ranks, channel, strand slot) (lanes)
-    or (ranks, "pp-grad") (`pipeline_gradient_group`), for every runtime built in it to
+    or (ranks, "pp-...") (`pipeline_transfer_groups`), for every runtime built in it to
     reuse. One training run builds one runtime and needs no
     pool; the benchmark builds one per system in one process, and every idle gloo group
     costs the running one CPU (its transport thread wakes every 10 ms; docs/benchmark.md).
@@ -125,16 +126,19 @@ def clone_group(group, tags: list, job: Job, pool: LanePool | None = None) -> li
     return found
 
 
-def pipeline_gradient_group(job: Job, pool: LanePool | None = None):
-    """The group the pipeline's gradients travel on (`dhelix.schedules.executor`'s
-    `gradient_group`): a clone of Megatron's pipeline group, so a stage's activations and
-    gradients to one peer are two channels. Collective over the world; Megatron's parallel
-    state must exist."""
+TRANSFER_TAGS = (("pp-act-up",), ("pp-act-down",), ("pp-grad-up",), ("pp-grad-down",))
+
+
+def pipeline_transfer_groups(job: Job, pool: LanePool | None = None) -> TransferGroups:
+    """The groups the pipeline's transfers travel on (`dhelix.schedules.executor`'s
+    `transfer_groups`): four clones of Megatron's pipeline group, one per kind and
+    direction of travel (`dhelix.schedules.transfer_groups` says why). Collective over the
+    world; Megatron's parallel state must exist."""
     from megatron.core import parallel_state
 
-    (clone,) = clone_group(parallel_state.get_pipeline_model_parallel_group(), [("pp-grad",)],
-                           job, pool)
-    return clone
+    clones = clone_group(parallel_state.get_pipeline_model_parallel_group(),
+                         list(TRANSFER_TAGS), job, pool)
+    return TransferGroups(*clones)
 
 
 def comm_channels(bound_layers, role: str | None = None) -> tuple:

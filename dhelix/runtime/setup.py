@@ -49,7 +49,7 @@ from dhelix.parallel import Job
 from dhelix.run_fingerprint import model_fingerprint, parallel_fingerprint
 from dhelix.runtime.intra_batch_passes import IntraBatchPasses
 from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, layer_lanes, \
-    pipeline_gradient_group
+    pipeline_transfer_groups
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.operator_passes import OperatorPasses
 from dhelix.runtime.transfer_probe import measure_transfer_ms
@@ -198,11 +198,11 @@ def _layer_kinds(bound_layers) -> list:
 
 
 def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_only: bool,
-                       gradient_group=None) -> DHelixSetup:
+                       transfer_groups=None) -> DHelixSetup:
     """A stack of different layers on this rank (a `--moe-layer-freq` stack of dense and
     MoE layers): one plan, built at start-up, per (forward layer, backward layer) pair an SI
     block meets, each bounded by the memory of its two layers' operators; no seams between
-    layer pairs (`gradient_group`: the pipeline's, `lanes.pipeline_gradient_group`). Local
+    layer pairs (`transfer_groups`: the pipeline's, `lanes.pipeline_transfer_groups`). Local
     layer i meets local layer n-1-i (`bound` lists the rank's n layers
     chunk by chunk): without pipelining the SI schedule pairs forward layer l with backward
     layer L-1-l; on a folded stage (the W schedule) the i-th layer of one chunk meets the
@@ -251,7 +251,7 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
     pipelined = run.parallel.pipelined
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
                             OperatorPasses(parts, runner, loss_at_forward=pipelined),
-                            gradient_group=gradient_group)
+                            transfer_groups=transfer_groups)
     return DHelixSetup(parts=parts, runner=runner, plan=first_plan,
                        plan_source=f"{len(pair_plans)} layer-pair plans ({'; '.join(sources)})",
                        engine=engine, timing_only=timing_only, costs=first_costs,
@@ -444,15 +444,15 @@ def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, me
     return streamed, summary
 
 
-def _transfer_ms(run: DHelixRun, parts: GPTParts, gradient_group) -> float | None:
+def _transfer_ms(run: DHelixRun, parts: GPTParts, transfer_groups) -> float | None:
     """One pipeline transfer's time on this cluster (`transfer_probe.measure_transfer_ms`),
-    where `choose_for_transfers` will use it: on a folded stage (`gradient_group`) whose dp
+    where `choose_for_transfers` will use it: on a folded stage (`transfer_groups`) whose dp
     plan is built at start-up (no `--dhelix-plan` file; not the baselines' pairers); else
     None. Decided from the run's options alone, the same on every rank, since the probe is
     collective over the world (a rank holding a mixed dense/MoE stack probes too and does
     not use it)."""
     options = run.options
-    if gradient_group is None or options.pairer != "dp" or options.plan:
+    if transfer_groups is None or options.pairer != "dp" or options.plan:
         return None
     from megatron.core import parallel_state
 
@@ -460,7 +460,7 @@ def _transfer_ms(run: DHelixRun, parts: GPTParts, gradient_group) -> float | Non
     return measure_transfer_ms(
         pipeline_shape(config, run.model.seq_length, run.parallel.micro_batch_size),
         pipeline_dtype(config), model_device(parts.model),
-        parallel_state.get_pipeline_model_parallel_group(), gradient_group)
+        parallel_state.get_pipeline_model_parallel_group(), transfer_groups)
 
 
 def choose_for_transfers(parts: GPTParts, dags: dict, plan, costs, memory,
@@ -528,8 +528,8 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
                                "only without the Domino split")
     lanes = layer_lanes(bound, parallel.tensor_model_parallel_size, job,
                         no_comm_timing_only=timing_only, pool=lane_pool)
-    gradient_group = pipeline_gradient_group(job, lane_pool) if pipelined else None
-    transfer_ms = _transfer_ms(run, parts, gradient_group)
+    transfer_groups = pipeline_transfer_groups(job, lane_pool) if pipelined else None
+    transfer_ms = _transfer_ms(run, parts, transfer_groups)
     if domino:
         fwd = check_pairing(dags["fwd"], dags["fwd"], staggered_pairing(dags["fwd"], dags["fwd"]))
         bwd = check_pairing(dags["bwd"], dags["bwd"], staggered_pairing(dags["bwd"], dags["bwd"]))
@@ -542,7 +542,7 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
         return DHelixSetup(parts=parts, runner=runner, plan=None, plan_source=source,
                            engine=engine, timing_only=timing_only)
     if mixed:
-        return _setup_mixed_stack(run, parts, bound, lanes, timing_only, gradient_group)
+        return _setup_mixed_stack(run, parts, bound, lanes, timing_only, transfer_groups)
     memory = None if options.plan else _memory_bound(run, parts, bound, dags["fwd"],
                                                       dags["bwd"])
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
@@ -559,6 +559,6 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
                          streamed=streamed)
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
                             OperatorPasses(parts, runner, loss_at_forward=pipelined),
-                            gradient_group=gradient_group)
+                            transfer_groups=transfer_groups)
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
                        engine=engine, timing_only=timing_only, costs=costs)

@@ -4,10 +4,9 @@ between the dp plan and the sequential pairing on a folded stage
 
 `measure_transfer_ms` times exchanges of one activation-sized tensor between neighbouring
 pipeline stages, both directions at once as the W schedule's steady state exchanges them,
-each direction on a group of its own (the lower stage sends on the pipeline group, the
-higher on the gradient group: one direction a connection, which also keeps gloo from
-taking turns on one connection). Collective over the world (every rank calls it;
-pipelining only). The buffers live on `device`, are the
+each direction on its group of the executor's (`TransferGroups.activations_up` /
+`activations_down`: one direction a connection, which also keeps gloo from taking turns on
+one connection). Collective over the world (every rank calls it; pipelining only). The buffers live on `device`, are the
 function's own and are freed on return; with CUDA the host synchronises the device around
 each exchange.
 """
@@ -20,11 +19,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from dhelix.schedules.actions import FORWARD
+from dhelix.schedules.transfer_groups import TransferGroups
+
 PROBE_REPEATS = 3
 
 
 def measure_transfer_ms(shape: tuple, dtype: torch.dtype, device: torch.device,
-                        pipeline_group, gradient_group) -> float:
+                        pipeline_group, groups: TransferGroups) -> float:
     """The median over `PROBE_REPEATS` exchanges (after one untimed) of a rank's time to send
     one tensor of `shape` / `dtype` to each neighbouring stage and receive one from each, in
     ms, the largest over the world (so every rank of a stage makes the same choice)."""
@@ -41,9 +43,8 @@ def measure_transfer_ms(shape: tuple, dtype: torch.dtype, device: torch.device,
         works = []
         for peer, buffer in zip(peers, incoming):
             rank = dist.get_global_rank(pipeline_group, peer)
-            # the lower stage of a pair sends on the pipeline group, the higher on the other
-            send_group = pipeline_group if stage < peer else gradient_group
-            recv_group = gradient_group if stage < peer else pipeline_group
+            send_group = groups.group(FORWARD, upward=peer > stage)
+            recv_group = groups.group(FORWARD, upward=peer < stage)
             works.append(dist.irecv(buffer, src=rank, group=recv_group))
             works.append(dist.isend(outgoing, dst=rank, group=send_group))
         for work in works:

@@ -18,17 +18,23 @@ is rejected before any tensor moves. Then, in list order:
   for a backward; run it under `torch.no_grad()`.
 - `SEND`: `isend` of each tensor in payload order (never blocks; each sent tensor is
   held until its send completed, `dhelix.schedules.sends_in_flight`, and all sends are
-  waited for at the end); `RECV`: blocking `recv` of each tensor in payload order. Each direction of a
-  stage pair is FIFO with tag 0, which gives the deterministic pairing the validator proved.
-  With a `gradient_group` (a second group over the same ranks) gradients travel on it and
-  activations on the default group: two FIFO channels a direction, each keeping the
-  validator's order, so neither kind queues behind the other.
+  waited for at the end); `RECV`: the received tensors of its payload, in payload order.
+  Each direction of a stage pair is FIFO with tag 0, which gives the deterministic pairing
+  the validator proved. With `transfer_groups` (`dhelix.schedules.transfer_groups`: a group
+  per kind and direction of travel) activations and gradients are two FIFO channels a
+  direction, each keeping the validator's order, so neither kind queues behind the other,
+  and on every group a rank only sends to a peer or only receives from it.
+- Receives posted a RECV ahead: a RECV posts the `irecv`s of the next RECV of the list too
+  (in payload order, after its own), so what the peer sends during the actions between
+  them (an early send) moves then: a point-to-point send moves its bytes only once the
+  receive is posted (gloo, and NCCL beyond its buffers). Each channel's receives are still
+  posted in the list's order.
 - Early sends: an SI block's two outputs bound for the SEND right after it are sent as soon
   as the engine reports each final (`passes.si(..., produced=...)`), while the rest of the
   block still runs, in the SEND's order on each channel (with one channel, a tensor waits
   for those before it in the payload). The SEND then posts only what was not sent.
-- Receives the engine can start before (`passes.accepts_arriving`): a RECV posts every
-  `irecv` of its payload at once and hands the buffers on as `dhelix.arriving.Arriving`;
+- Receives the engine can start before (`passes.accepts_arriving`): a RECV hands the
+  buffers of its payload's `irecv`s on as `dhelix.arriving.Arriving`;
   the engine waits on each where it reads it. Other engines get the received tensors.
 
 How a pass computes is the pass engine's business (`passes`): `AutogradPasses` runs the
@@ -73,6 +79,7 @@ import torch.distributed as dist
 from dhelix.arriving import Arriving
 from dhelix.schedules.actions import BACKWARD, FORWARD, Action, Pass, Schedule, TensorRef
 from dhelix.schedules.sends_in_flight import SendsInFlight
+from dhelix.schedules.transfer_groups import TransferGroups
 from dhelix.schedules.validate import validate
 
 _VALIDATED: "weakref.WeakValueDictionary[int, Schedule]" = weakref.WeakValueDictionary()
@@ -159,9 +166,10 @@ class StageExecutor:
     peer_rank(stage) -> global rank of that pipeline stage.
     no_sync() -> context manager: Megatron DDP's `config.no_sync_func` (module docstring for
         the rule), None for none.
-    gradient_group: the process group gradients travel on (a group holding this stage's
-        pipeline peers, e.g. `dhelix.runtime.lanes.pipeline_gradient_group`, created on
-        every rank of the world); None: the default group carries both kinds.
+    transfer_groups: the process groups transfers travel on, by kind and direction of
+        travel (`dhelix.schedules.transfer_groups.TransferGroups`, e.g.
+        `dhelix.runtime.lanes.pipeline_transfer_groups`); None: the default group carries
+        everything.
     """
 
     def __init__(self, schedule: Schedule, stage: int, *, passes,
@@ -169,7 +177,7 @@ class StageExecutor:
                  dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int],
                  grad_scale_func: Callable | None = None, context_parallel_size: int = 1,
                  loss_is_scaled: bool = False, no_sync: Callable | None = None,
-                 gradient_group=None):
+                 transfer_groups: TransferGroups | None = None):
         self.schedule = schedule
         self.stage = stage
         self.path = schedule.path
@@ -185,7 +193,7 @@ class StageExecutor:
         self.cp = context_parallel_size
         self.loss_is_scaled = loss_is_scaled
         self.no_sync = no_sync or contextlib.nullcontext
-        self.gradient_group = gradient_group
+        self.transfer_groups = transfer_groups or TransferGroups()
         self.arriving = bool(getattr(passes, "accepts_arriving", False))
         self.actions = schedule.ranks[stage]
         backward_at = [i for i, a in enumerate(self.actions) if a.backward is not None]
@@ -202,6 +210,9 @@ class StageExecutor:
         self._ready: dict = {}      # TensorRef -> tensor (received or produced, not yet used)
         self._sends = SendsInFlight()  # isends not seen complete, with their tensors
         self._sent_early: set = set()  # TensorRefs of the next SEND already sent
+        self._receiving: dict = {}  # TensorRef -> Arriving posted ahead of its RECV
+        recvs = [a for a in self.actions if a.kind == "RECV"]
+        self._next_recv = {id(a): b for a, b in zip(recvs, recvs[1:])}  # RECV -> the next
         self.losses: list = []      # loss_func infos, in micro-batch order of the loss hop
 
     def run(self) -> list:
@@ -218,7 +229,9 @@ class StageExecutor:
             raise
         self._sends.finish()
         leftovers = [f"{len(self._saved)} saved activations" if self._saved else "",
-                     f"{len(self._ready)} unused tensors" if self._ready else ""]
+                     f"{len(self._ready)} unused tensors" if self._ready else "",
+                     f"{len(self._receiving)} receives posted ahead" if self._receiving
+                     else ""]
         leftovers = [x for x in leftovers if x]
         if leftovers:
             raise RuntimeError(f"stage {self.stage} finished with " + ", ".join(leftovers))
@@ -234,17 +247,15 @@ class StageExecutor:
                 self._sends.release_finished()
             self.actions_run += 1
 
-    def _group(self, ref: TensorRef):
-        """The group `ref`'s kind travels on (None: the default group)."""
-        return self.gradient_group if ref.direction == BACKWARD else None
-
     def _channel(self, ref: TensorRef) -> str:
-        return ref.direction if self.gradient_group is not None else "one"
+        """The FIFO channel `ref` takes to the peer of the SEND holding it."""
+        return ref.direction if self.transfer_groups.kinds_apart else "one"
 
     def _send(self, action: Action, ref: TensorRef, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
         self._check_shape(tensor, ref)
-        work = dist.isend(tensor, dst=self.peer_rank(action.peer), group=self._group(ref))
+        group = self.transfer_groups.group(ref.direction, upward=action.peer > self.stage)
+        work = dist.isend(tensor, dst=self.peer_rank(action.peer), group=group)
         self._sends.add(work, tensor)
 
     def _early_sender(self, action: Action, send: Action) -> Callable:
@@ -284,12 +295,12 @@ class StageExecutor:
                 raise RuntimeError(f"stage {self.stage}: sent early but not in the SEND that "
                                    f"followed: {sorted(r.label() for r in self._sent_early)}")
         elif action.kind == "RECV":
-            peer = self.peer_rank(action.peer)
-            posted = []
-            for ref in action.tensors:
-                buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
-                posted.append((ref, Arriving(buffer, dist.irecv(buffer, src=peer,
-                                                                group=self._group(ref)))))
+            posted = [(ref, self._receiving.pop(ref, None) or self._post_receive(action, ref))
+                      for ref in action.tensors]
+            following = self._next_recv.get(id(action))
+            if following is not None:  # its receives, posted now, land during what follows
+                for ref in following.tensors:
+                    self._receiving[ref] = self._post_receive(following, ref)
             for ref, arriving in posted:
                 self._ready[ref] = arriving if self.arriving else arriving.landed()
         elif action.kind == "F":
@@ -308,6 +319,13 @@ class StageExecutor:
                     forward, backward, produced=self._early_sender(action, upcoming_send))
             self._forward_done(action.forward, state, out)
             self._backward_done(action.backward, grad)
+
+    def _post_receive(self, action: Action, ref: TensorRef) -> Arriving:
+        """An `irecv` of `ref` from `action`'s peer into a new buffer on the device."""
+        buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+        group = self.transfer_groups.group(ref.direction, upward=action.peer < self.stage)
+        work = dist.irecv(buffer, src=self.peer_rank(action.peer), group=group)
+        return Arriving(buffer, work)
 
     def _batch(self, microbatch: int):
         while self._fetched <= microbatch:

@@ -161,15 +161,16 @@ class ScheduleEngine:
     the forward step reads no pipeline arguments).
     `losses_to_last_stage`: return the folded model's loss dicts on the last pipeline stage,
     as Megatron's training loop expects (else on the stage that computes them).
-    `gradient_group`: the group the pipeline's gradients travel on (`StageExecutor`; None:
-    the default group carries activations and gradients).
+    `transfer_groups`: the groups the pipeline's transfers travel on (`StageExecutor`,
+    `dhelix.schedules.transfer_groups`; None: the default group carries everything).
     `last_step` is what the last call ran (`ExecutedStep`)."""
 
     def __init__(self, build_schedule: Callable[[int, int], Schedule], passes=None,
-                 data_args=None, losses_to_last_stage: bool = False, gradient_group=None):
+                 data_args=None, losses_to_last_stage: bool = False,
+                 transfer_groups=None):
         self.build_schedule = build_schedule
         self.passes = passes
-        self.gradient_group = gradient_group
+        self.transfer_groups = transfer_groups
         self.data_args = data_args
         self.losses_to_last_stage = losses_to_last_stage
         self.last_step: ExecutedStep | None = None
@@ -180,7 +181,8 @@ class ScheduleEngine:
         """The same engine for `megatron.training`'s `train()`/`evaluate()`: `args`' data
         view, loss dicts on the last stage."""
         return ScheduleEngine(self.build_schedule, self.passes, data_args=args,
-                              losses_to_last_stage=True, gradient_group=self.gradient_group)
+                              losses_to_last_stage=True,
+                              transfer_groups=self.transfer_groups)
 
     def schedule(self, pp: int, num_microbatches: int, forward_only: bool) -> Schedule:
         """The training schedule, or its path's forward-only schedule (built once each)."""
@@ -241,7 +243,7 @@ class ScheduleEngine:
             peer_rank=lambda s: dist.get_global_rank(pp_group, s),
             grad_scale_func=config.grad_scale_func,
             context_parallel_size=loss.cp, no_sync=config.no_sync_func,
-            gradient_group=self.gradient_group)
+            transfer_groups=self.transfer_groups)
         with _without_timers(config), torch.no_grad() if forward_only \
                 else contextlib.nullcontext():
             if not forward_only:

@@ -8,9 +8,11 @@ peer, that
   stage 0 waits: waits in both directions would wait for each other);
 - a RECV hands the engine its tensors still in flight (`dhelix.arriving.Arriving`): the
   peer's SI block lands the early tensor before the other one was even sent;
-- with a gradient group, a gradient reported before the activation of the same payload is
-  sent at once (a channel of its own); on the one default channel it waits for the
-  activation before it in the payload;
+- with transfer groups (a group per kind and direction), a gradient reported before the
+  activation of the same payload is sent at once (a channel of its own); on the one
+  default channel it waits for the activation before it in the payload;
+- a RECV posts the next RECV's receives too: stage 1's SI blocks wait for those to land
+  before the RECV holding them runs (and the peer, not waiting, sends them meanwhile);
 
 and that every variant gives the plain autograd engine's losses and gradients exactly.
 The same launch checks `dhelix.schedules.sends_in_flight.SendsInFlight` on gloo: a sent
@@ -31,10 +33,13 @@ SHAPE = (4, 1, 8)  # [sequence, batch, hidden] of the pipeline's tensors
 WAIT_S = 60.0
 
 
-def _toy_engine(executor_box, store, tag, first, weights):
+def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
     """An autograd engine over `weights[chunk]` (tanh of a matmul a chunk) that takes
     arriving inputs and runs its SI blocks `first` ("F" or "B") first, as the module
-    docstring describes. `executor_box[0]`: the executor (to see what it sent early)."""
+    docstring describes. `executor_box[0]`: the executor (to see what it sent early).
+    With `land_ahead`, stage 0 does not wait for its peer and stage 1 ends each SI block by
+    waiting for every receive its executor posted ahead of their RECV (`landed_ahead`: the
+    tensors that landed so)."""
     import time
 
     from dhelix.arriving import Arriving, landed
@@ -51,6 +56,7 @@ def _toy_engine(executor_box, store, tag, first, weights):
         def __init__(self):
             super().__init__(chunk)
             self.early = []  # (kind, sent at once) per reported output bound for the peer
+            self.landed_ahead = set()
 
         def forward(self, work):
             work.inp = landed(work.inp)
@@ -71,7 +77,7 @@ def _toy_engine(executor_box, store, tag, first, weights):
             produced(kind, tensor)
             if len(executor._sent_early) > before:
                 self.early.append((kind, True))
-                if executor.stage != 0:
+                if executor.stage != 0 or land_ahead:
                     return
                 sent = sum(1 for k, s in self.early if k == kind and s)
                 peer = 1
@@ -97,12 +103,16 @@ def _toy_engine(executor_box, store, tag, first, weights):
                     results["B"] = output = super().backward(backward)
                 if produced is not None and output is not None:
                     self._report(kind, output, produced)
+            if land_ahead and executor_box[0].stage == 1:
+                for ref, arriving in list(executor_box[0]._receiving.items()):
+                    arriving.landed()
+                    self.landed_ahead.add(ref.label())
             return results["F"], results["B"]
 
     return Toy()
 
 
-def _run(ctx, store, tag, engine: str, gradient_group):
+def _run(ctx, store, tag, engine: str, transfer_groups, land_ahead=False):
     import torch
     import torch.distributed as dist
 
@@ -121,18 +131,19 @@ def _run(ctx, store, tag, engine: str, gradient_group):
         passes = AutogradPasses(lambda batch, c, inp: torch.tanh(
             (batch if inp is None else inp) @ weights[c]))
     else:
-        passes = _toy_engine(box, store, tag, engine, weights)
+        passes = _toy_engine(box, store, tag, engine, weights, land_ahead)
     executor = StageExecutor(
         build_w_schedule(2, M), stage, passes=passes,
         loss_func=lambda batch, out: (out.square().mean(),
                                       {"loss": out.square().mean().detach()}),
         next_batch=lambda: next(batches), tensor_shape=SHAPE, dtype=torch.float32,
-        device=cpu, peer_rank=lambda s: s, gradient_group=gradient_group)
+        device=cpu, peer_rank=lambda s: s, transfer_groups=transfer_groups)
     box.append(executor)
     losses = [float(d["loss"]) for d in executor.run()]
     dist.barrier()
     return {"losses": losses, "grads": [w.grad.clone() for w in weights],
-            "early": getattr(passes, "early", None)}
+            "early": getattr(passes, "early", None),
+            "landed_ahead": sorted(getattr(passes, "landed_ahead", ()))}
 
 
 def _sends_released(ctx) -> dict:
@@ -183,15 +194,18 @@ def _sends_released(ctx) -> dict:
 def _variants(ctx):
     import torch.distributed as dist
 
+    from dhelix.schedules.transfer_groups import TransferGroups
+
     dist.init_process_group("gloo")
     store = dist.distributed_c10d._get_default_store()
-    gradients = dist.new_group([0, 1])
+    four = TransferGroups(*[dist.new_group([0, 1]) for _ in range(4)])
     return {
         "sends": _sends_released(ctx),
         "plain": _run(ctx, store, "plain", "plain", None),
         "forward_first": _run(ctx, store, "ff", "F", None),
         "backward_first_one_channel": _run(ctx, store, "b1", "B", None),
-        "backward_first_two_channels": _run(ctx, store, "b2", "B", gradients),
+        "backward_first_two_channels": _run(ctx, store, "b2", "B", four),
+        "landed_ahead": _run(ctx, store, "la", "B", four, land_ahead=True),
     }
 
 
@@ -207,7 +221,7 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
     for stage, runs in enumerate(results):
         plain = runs["plain"]
         for name in ("forward_first", "backward_first_one_channel",
-                     "backward_first_two_channels"):
+                     "backward_first_two_channels", "landed_ahead"):
             assert runs[name]["losses"] == plain["losses"], (stage, name)
             for got, want in zip(runs[name]["grads"], plain["grads"]):
                 assert torch.equal(got, want), (stage, name)
@@ -222,3 +236,23 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
         # and both leave when the activation is reported
         assert runs["backward_first_one_channel"]["early"] == [("B", False), ("F", True)] \
             * (M - 2)
+    # receives posted a RECV ahead: stage 1's SI blocks landed, before the RECV holding
+    # them, every tensor of the RECV after the one before the block
+    assert results[1]["landed_ahead"]["landed_ahead"] == _posted_ahead_at_si_blocks(1)
+    assert results[0]["landed_ahead"]["landed_ahead"] == []
+
+
+def _posted_ahead_at_si_blocks(stage: int) -> list:
+    """Labels of the tensors of each RECV that follows the last RECV before an SI block of
+    `stage`'s W list (p = 2, m = M): what its executor has posted ahead during the block."""
+    from dhelix.schedules.w_schedule import build_w_schedule
+
+    actions = build_w_schedule(2, M).ranks[stage]
+    recvs = [i for i, a in enumerate(actions) if a.kind == "RECV"]
+    labels = set()
+    for i, action in enumerate(actions):
+        before = [r for r in recvs if r < i]
+        after = [r for r in recvs if r > (before[-1] if before else len(actions))]
+        if action.kind == "SI" and before and after:
+            labels.update(ref.label() for ref in actions[after[0]].tensors)
+    return sorted(labels)
