@@ -3,9 +3,10 @@ informs (`dhelix.runtime.setup`: the dp plan or the sequential pairing on a fold
 
 On the W schedule two stages exchange, between SI blocks, the activation of the block's
 forward and the input gradient of its backward (docs/folding_and_w_schedule.md, "Pipeline
-transfers"). The executor sends each as soon as its strand is done and the receiving block
-starts on the strand whose input has landed, so a plan hides a transfer of `transfer_ms`
-where its strands end apart and start apart:
+transfers"). The executor sends each as soon as its strand is done (the peer has posted
+its receive a RECV ahead, so the bytes move then) and the receiving block starts on the
+strand whose input has landed, so a plan hides a transfer of `transfer_ms` where its
+strands end apart and start apart:
 
 - the strand that ends first (its output leaves `tail` ms before the block ends) has its
   transfer exposed by max(0, transfer - tail);
