@@ -6,9 +6,9 @@ between the dp plan and the sequential pairing on a folded stage
 pipeline stages, both directions at once as the W schedule's steady state exchanges them,
 each direction on its group of the executor's (`TransferGroups.activations_up` /
 `activations_down`: one direction a connection, which also keeps gloo from taking turns on
-one connection). Collective over the world (every rank calls it; pipelining only). The buffers live on `device`, are the
-function's own and are freed on return; with CUDA the host synchronises the device around
-each exchange.
+one connection). Collective over the world (every rank calls it; pipelining only). The
+buffers live on `device`, are the function's own and are freed on return; with CUDA the
+host synchronises the device around each exchange.
 """
 
 from __future__ import annotations

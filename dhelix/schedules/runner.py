@@ -18,11 +18,12 @@ forward under `torch.no_grad()`.
 Batches: the script's `forward_step_func(data_iterator, model)` is called once per
 micro-batch, in micro-batch order, on every stage, as Megatron's schedules call it; what it
 hands the model (tokens, positions, labels) and its loss function are captured
-(`dhelix.runtime.forward_step_capture`; Megatron-LM's pretrain_gpt fits). For the folded model with `data_args` (Megatron's
-args) it runs under `folded_data_view` (stage 0 embeds and computes the loss). The loss goes
-through Megatron's `forward_step_calc_loss` (the script's loss function, token-count
-normalisation, division by the number of micro-batches, the loss dicts Megatron's training
-loop reduces) and `config.grad_scale_func`; `no_sync` follows the executor's one rule;
+(`dhelix.runtime.forward_step_capture`; Megatron-LM's pretrain_gpt fits). For the folded
+model with `data_args` (Megatron's args) it runs under `folded_data_view` (stage 0 embeds
+and computes the loss). The loss goes through Megatron's `forward_step_calc_loss` (the
+script's loss function, token-count normalisation, division by the number of
+micro-batches, the loss dicts Megatron's training loop reduces) and
+`config.grad_scale_func`; `no_sync` follows the executor's one rule;
 `config.finalize_model_grads_func` runs after the list (with the token count under
 `calculate_per_token_loss`). Megatron's `forward-compute`/`backward-compute` timers are not
 run (forward and backward passes interleave); the step's other timers are.
