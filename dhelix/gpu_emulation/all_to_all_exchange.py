@@ -41,7 +41,6 @@ exchanges in the same order, as for any collective.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 
 import torch
@@ -51,6 +50,7 @@ from dhelix.c10d_ops import process_group_of
 from dhelix.cluster.host_threads import HOST_THREAD_PREFIX, name_current_thread
 from dhelix.cluster.naming import GLOO_DEVICES_ENV
 from dhelix.gpu_emulation.aten_costs import op_name
+from dhelix.waiter_thread import WaiterThread
 
 WATCHER_THREAD_NAME = HOST_THREAD_PREFIX + "a2a"
 
@@ -128,30 +128,6 @@ def _blocks(tensor: torch.Tensor, splits: list) -> list:
     return [tensor.narrow(0, start, count) for start, count in zip(starts, splits)]
 
 
-class _Watcher:
-    """One group's thread: waits for its exchanges in issue order (a group runs one
-    collective at a time) and completes each one's future."""
-
-    def __init__(self):
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=WATCHER_THREAD_NAME,
-                                        daemon=True)
-        self._thread.start()
-
-    def watch(self, work: ExchangeWork) -> None:
-        self._queue.put(work)
-
-    def _run(self) -> None:
-        name_current_thread(WATCHER_THREAD_NAME)
-        while (work := self._queue.get()) is not None:
-            work._settle()
-            work = None
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-
 class AllToAllExchanges:
     """Issues all-to-alls as full-duplex exchanges (module docstring); one per emulated
     call or replay. `devices`: gloo's devices per group (default: `gloo_devices()`)."""
@@ -192,8 +168,11 @@ class AllToAllExchanges:
         self._issued.append(work)
         watcher = self._watchers.get(group)
         if watcher is None:
-            watcher = self._watchers[group] = _Watcher()
-        watcher.watch(work)
+            # one group's watcher: its exchanges settle in issue order (a group runs one
+            # collective at a time), on an emulated GPU host thread
+            watcher = self._watchers[group] = WaiterThread(
+                WATCHER_THREAD_NAME, on_start=lambda: name_current_thread(WATCHER_THREAD_NAME))
+        watcher.submit(work._settle)
         return work
 
     def close(self) -> None:

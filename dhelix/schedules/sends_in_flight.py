@@ -10,9 +10,9 @@ every micro-batch's (measured on the emulated GPU: 16 tensors of 32 MiB a rank, 
   polls it on the caller's thread.
 - CPU tensors (gloo): a gloo point-to-point Work reports `is_completed()` False until it
   was waited on (torch 2.13: it has no future either), and a second wait never returns. A
-  watcher thread is the one waiter: it waits for the sends in the order they were posted
-  and drops each one's tensor as soon as its wait returns. It is started on the first CPU
-  send and stopped by `finish()`/`abandon()`.
+  watcher thread (`dhelix.waiter_thread.WaiterThread`) is the one waiter: it waits for the
+  sends in the order they were posted and drops each one's tensor as soon as its wait
+  returns. It is started on the first CPU send and stopped by `finish()`/`abandon()`.
 
 Guarantees: `add` never blocks. A tensor is referenced here until its send completed, then
 dropped (its storage freed when nobody else holds it; on CPU by the watcher thread).
@@ -25,10 +25,11 @@ peer must not hang the caller). The caller calls `add`, `release_finished`, `fin
 
 from __future__ import annotations
 
-import queue
 import threading
 
 import torch
+
+from dhelix.waiter_thread import WaiterThread
 
 WATCHER_THREAD_NAME = "dhelix-send-watcher"
 
@@ -48,8 +49,7 @@ class SendsInFlight:
 
     def __init__(self):
         self._sends: list[_Send] = []
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
+        self._watcher = WaiterThread(WATCHER_THREAD_NAME)
         self._error: BaseException | None = None
 
     def __len__(self) -> int:
@@ -65,7 +65,7 @@ class SendsInFlight:
         send = _Send(work, tensor)
         self._sends.append(send)
         if send.on_cpu:
-            self._watcher().put(send)
+            self._watcher.submit(lambda: self._settle(send))
 
     def release_finished(self) -> None:
         """Forget the sends seen complete (their tensors are dropped); raise a send's error."""
@@ -80,47 +80,31 @@ class SendsInFlight:
             else:
                 send.work.wait()
         self._sends = []
-        self._stop(join=True)
+        self._watcher.close(join=True)
         self._raise_error()
 
     def abandon(self) -> None:
         """Stop the watcher once its current wait returns, without waiting here; drop
         this object's hold on the tensors (the watcher keeps the one it waits on)."""
         self._sends = []
-        self._stop(join=False)
+        self._watcher.close(join=False)
 
     def _completed(self, send: _Send) -> bool:
         if send.on_cpu:
             return send.done.is_set()
         return send.work.is_completed()
 
-    def _watcher(self) -> queue.Queue:
-        if self._thread is None:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._watch, args=(self._queue,),
-                                            name=WATCHER_THREAD_NAME, daemon=True)
-            self._thread.start()
-        return self._queue
-
-    def _watch(self, sends: queue.Queue) -> None:
-        while (send := sends.get()) is not None:
-            try:
-                send.work.wait()
-            except BaseException as error:  # reported on the caller's thread
-                if self._error is None:
-                    self._error = error
-            send.tensor = None
-            send.work = None
-            send.done.set()
-            send = None
-
-    def _stop(self, join: bool) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._queue.put(None)
-        if join:
-            thread.join()
+    def _settle(self, send: _Send) -> None:
+        """The watcher thread's part for one CPU send: wait, keep the first error, drop the
+        tensor and the Work, mark it done."""
+        try:
+            send.work.wait()
+        except BaseException as error:  # reported on the caller's thread
+            if self._error is None:
+                self._error = error
+        send.tensor = None
+        send.work = None
+        send.done.set()
 
     def _raise_error(self) -> None:
         if self._error is not None:
