@@ -20,14 +20,22 @@ FWD = ("read_input", "compute")
 BWD = ("read_grad", "compute")
 
 
+class _Program(dict):
+    """A stand-in program: its operators by id (all computation) and `ids`, their order."""
+
+    def __init__(self, ids: tuple):
+        super().__init__({op: SimpleNamespace(kind="comp") for op in ids})
+        self.ids = list(ids)
+
+
 class _Execution:
     """Holds the tensor handed to `begin_forward` / `begin_backward` until its `read_*`
     operator runs, then drops it and records whether anyone else still kept it alive."""
 
     def __init__(self, layer: int, freed: list):
         self.layer, self.freed = layer, freed
-        program = {op: SimpleNamespace(kind="comp") for op in FWD + BWD}
-        self.programs = SimpleNamespace(program=lambda phase: program)
+        programs = {phase: _Program(ops) for phase, ops in (("fwd", FWD), ("bwd", BWD))}
+        self.programs = SimpleNamespace(program=programs.__getitem__)
         self.strand_slot = None
         self.phase = None
         self.held = None
