@@ -4,9 +4,9 @@ order they were handed over.
 Made for c10d handles that must have exactly one waiter: gloo's point-to-point Works
 report `is_completed()` False until waited on and never return from a second wait, so
 code that must learn of their completion without blocking (the pipeline executor's sends,
-`dhelix.schedules.sends_in_flight`, and receives, `dhelix.schedules.receives_in_flight`;
-the emulated GPU's all-to-all, `dhelix.gpu_emulation.all_to_all_exchange`) hands each wait
-to this thread and reads the result it records.
+`dhelix.schedules.sends_in_flight`; the emulated GPU's all-to-all,
+`dhelix.gpu_emulation.all_to_all_exchange`) hands each wait to this thread and reads the
+result it records.
 
 Guarantees: the thread starts on the first `submit` (named `name`; `on_start()` runs on it
 first), runs each submitted callable once, in submission order, and drops it before taking
