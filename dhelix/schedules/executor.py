@@ -35,9 +35,7 @@ is rejected before any tensor moves. Then, in list order:
   for those before it in the payload). The SEND then posts only what was not sent.
 - Receives the engine can start before (`passes.accepts_arriving`): a RECV hands the
   buffers of its payload's `irecv`s on as `dhelix.arriving.Arriving`;
-  the engine waits on each where it reads it and may ask whether it landed
-  (`is_completed()`, true on CPU ranks too: `dhelix.schedules.receives_in_flight`). Other
-  engines get the received tensors.
+  the engine waits on each where it reads it. Other engines get the received tensors.
 
 How a pass computes is the pass engine's business (`passes`): `AutogradPasses` runs the
 chunk module with autograd (SI blocks forward, then backward); the DHelix runtime's engine
@@ -80,7 +78,6 @@ import torch.distributed as dist
 
 from dhelix.arriving import Arriving
 from dhelix.schedules.actions import BACKWARD, FORWARD, Action, Pass, Schedule, TensorRef
-from dhelix.schedules.receives_in_flight import ReceivesInFlight
 from dhelix.schedules.sends_in_flight import SendsInFlight
 from dhelix.schedules.transfer_groups import TransferGroups
 from dhelix.schedules.validate import validate
@@ -214,7 +211,6 @@ class StageExecutor:
         self._sends = SendsInFlight()  # isends not seen complete, with their tensors
         self._sent_early: set = set()  # TensorRefs of the next SEND already sent
         self._receiving: dict = {}  # TensorRef -> Arriving posted ahead of its RECV
-        self._receives = ReceivesInFlight()  # what tells an engine a CPU receive landed
         recvs = [a for a in self.actions if a.kind == "RECV"]
         self._next_recv = {id(a): b for a, b in zip(recvs, recvs[1:])}  # RECV -> the next
         self.losses: list = []      # loss_func infos, in micro-batch order of the loss hop
@@ -230,7 +226,6 @@ class StageExecutor:
             self._run_actions(self.actions[self._sync_from:])
         except BaseException:
             self._sends.abandon()  # a send to a failed peer must not hang the error path
-            self._receives.abandon()
             raise
         self._sends.finish()
         leftovers = [f"{len(self._saved)} saved activations" if self._saved else "",
@@ -239,9 +234,7 @@ class StageExecutor:
                      else ""]
         leftovers = [x for x in leftovers if x]
         if leftovers:
-            self._receives.abandon()  # a receive nobody sends to would hold a join forever
             raise RuntimeError(f"stage {self.stage} finished with " + ", ".join(leftovers))
-        self._receives.finish()
         return self.losses
 
     def _run_actions(self, actions) -> None:
@@ -331,10 +324,7 @@ class StageExecutor:
         """An `irecv` of `ref` from `action`'s peer into a new buffer on the device."""
         buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
         group = self.transfer_groups.group(ref.direction, upward=action.peer < self.stage)
-        source = self.peer_rank(action.peer)
-        work = dist.irecv(buffer, src=source, group=group)
-        if self.arriving:  # the engine asks is_completed() before reading it
-            work = self._receives.watch(work, buffer, group, source)
+        work = dist.irecv(buffer, src=self.peer_rank(action.peer), group=group)
         return Arriving(buffer, work)
 
     def _batch(self, microbatch: int):

@@ -13,8 +13,6 @@ peer, that
   default channel it waits for the activation before it in the payload;
 - a RECV posts the next RECV's receives too: stage 1's SI blocks wait for those to land
   before the RECV holding them runs (and the peer, not waiting, sends them meanwhile);
-- an arriving input says it landed (`is_completed()`) before anyone waited on it, as the
-  strand executor needs to choose which strand runs next;
 
 and that every variant gives the plain autograd engine's losses and gradients exactly.
 The same launch checks `dhelix.schedules.sends_in_flight.SendsInFlight` on gloo: a sent
@@ -33,7 +31,6 @@ pytestmark = pytest.mark.slow
 M = 5
 SHAPE = (4, 1, 8)  # [sequence, batch, hidden] of the pipeline's tensors
 WAIT_S = 60.0
-POLL_S = 20.0
 
 
 def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
@@ -42,9 +39,7 @@ def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
     docstring describes. `executor_box[0]`: the executor (to see what it sent early).
     With `land_ahead`, stage 0 does not wait for its peer and stage 1 ends each SI block by
     waiting for every receive its executor posted ahead of their RECV (`landed_ahead`: the
-    tensors that landed so), and starts each by polling its arriving inputs'
-    `is_completed()` before any wait (`seen_landed`: whether each turned True within
-    `POLL_S`; polling stops at the first that did not)."""
+    tensors that landed so)."""
     import time
 
     from dhelix.arriving import Arriving, landed
@@ -62,7 +57,6 @@ def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
             super().__init__(chunk)
             self.early = []  # (kind, sent at once) per reported output bound for the peer
             self.landed_ahead = set()
-            self.seen_landed = []
 
         def forward(self, work):
             work.inp = landed(work.inp)
@@ -95,21 +89,8 @@ def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
             else:
                 self.early.append((kind, False))
 
-        def _poll_landed(self, value):
-            if not isinstance(value, Arriving) or False in self.seen_landed:
-                return
-            deadline = time.monotonic() + POLL_S
-            while not value.is_completed() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            self.seen_landed.append(value.is_completed())
-
         def si(self, forward, backward, produced=None):
             results = {}
-            if land_ahead and executor_box[0].stage == 1:
-                # the peer sent them without waiting for this stage: they land, and a
-                # strand executor deciding what runs next must be able to see that
-                self._poll_landed(forward.inp)
-                self._poll_landed(backward.grad)
             for kind in (first, "B" if first == "F" else "F"):
                 if kind == "F":
                     self._land_counted("F", forward.inp)
@@ -162,8 +143,7 @@ def _run(ctx, store, tag, engine: str, transfer_groups, land_ahead=False):
     dist.barrier()
     return {"losses": losses, "grads": [w.grad.clone() for w in weights],
             "early": getattr(passes, "early", None),
-            "landed_ahead": sorted(getattr(passes, "landed_ahead", ())),
-            "seen_landed": getattr(passes, "seen_landed", None)}
+            "landed_ahead": sorted(getattr(passes, "landed_ahead", ()))}
 
 
 def _sends_released(ctx) -> dict:
@@ -260,10 +240,6 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
     # them, every tensor of the RECV after the one before the block
     assert results[1]["landed_ahead"]["landed_ahead"] == _posted_ahead_at_si_blocks(1)
     assert results[0]["landed_ahead"]["landed_ahead"] == []
-    # an arriving input reports is_completed() once it landed, before anyone waited on it
-    # (a plain gloo irecv's Work would not: dhelix.schedules.receives_in_flight); each of
-    # stage 1's SI blocks gets one of each kind
-    assert results[1]["landed_ahead"]["seen_landed"] == [True] * (2 * (M - 2))
 
 
 def _posted_ahead_at_si_blocks(stage: int) -> list:
