@@ -8,64 +8,31 @@ communication); the real executions' own frees are covered by the parity and mem
 from __future__ import annotations
 
 import weakref
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dhelix.runtime.layer_runner import LayerRunner, take_handed
 from dhelix.runtime.strand_executor import Block
+from tests.layer_runner_stand_ins import StandInExecution
 
 FWD = ("read_input", "compute")
 BWD = ("read_grad", "compute")
 
 
-class _Program(dict):
-    """A stand-in program: its operators by id (all computation) and `ids`, their order."""
-
-    def __init__(self, ids: tuple):
-        super().__init__({op: SimpleNamespace(kind="comp") for op in ids})
-        self.ids = list(ids)
-
-
-class _Execution:
+class _Execution(StandInExecution):
     """Holds the tensor handed to `begin_forward` / `begin_backward` until its `read_*`
     operator runs, then drops it and records whether anyone else still kept it alive."""
 
     def __init__(self, layer: int, freed: list):
+        super().__init__(FWD, BWD)
         self.layer, self.freed = layer, freed
-        programs = {phase: _Program(ops) for phase, ops in (("fwd", FWD), ("bwd", BWD))}
-        self.programs = SimpleNamespace(program=programs.__getitem__)
-        self.strand_slot = None
-        self.phase = None
-        self.held = None
-
-    def begin_forward(self, x, attention_mask=None, rotary_pos_emb=None):
-        self.phase, self.held = "fwd", x
-
-    def end_forward(self):
-        return torch.zeros(4)
-
-    def begin_backward(self, grad):
-        self.phase, self.held = "bwd", grad
-
-    def end_backward(self):
-        return torch.zeros(4)
-
-    def op_ready(self, op_id):
-        return True
-
-    def wait_inputs(self, op_id):
-        pass
 
     def run(self, op_id):
         if op_id.startswith("read_"):
             ref = weakref.ref(self.held)
             self.held = None
             self.freed.append((self.layer, self.phase, ref() is None))
-
-    def wait_pending(self):
-        pass
 
 
 class _Runner(LayerRunner):
