@@ -346,15 +346,34 @@ class PretrainedRun:
 
 
 def close_all_runs() -> None:
-    """Close every run and tear down Megatron's global state (idempotent)."""
-    from megatron.training.training import destroy_global_state
+    """Close every run, tear down Megatron's global state and destroy every process group
+    but the world's (idempotent; collective when groups exist: every rank calls it at the
+    same point). Megatron's `destroy_global_state` drops its references to its groups but
+    leaves them registered with torch.distributed, and the runs' objects hold them in
+    reference cycles: each group's gloo threads (a transport loop waking every 10 ms) would
+    stay until the process ends. Here the groups are destroyed and the cycles collected,
+    so those threads stop (measured: 80 threads a tiny PP=2 run, 74 of them left after a
+    close without this)."""
+    import gc
 
-    for run in list(_LIVE):
-        run.closed = True
-    _LIVE.clear()
+    import torch.distributed as dist
+    from megatron.training.training import destroy_global_state
+    from torch.distributed import distributed_c10d
+
+    from megatron_patches.training_hooks import forget_run
+
+    while _LIVE:  # no local name may keep a run alive through the collection below
+        _LIVE.pop().closed = True
     _LAST_LAYOUT[0] = None
     _LANES[0] = None
+    forget_run()
     destroy_global_state()
+    if dist.is_initialized():
+        world = distributed_c10d._get_default_group()
+        for group in list(distributed_c10d._world.pg_map):
+            if group is not world:
+                dist.destroy_process_group(group)
+    gc.collect()
 
 
 class _TimedForwardBackward:

@@ -100,10 +100,12 @@ def _layer_and_collectives(ctx):
 
     # stream-ordered issue: rank 0 owes 0.6 s of kernels when it issues an async all-reduce;
     # the host gets the handle at once and the bytes move when the stream reaches it (with
-    # the option off the host sleeps until the stream drained)
+    # the option off the host sleeps until the stream drained). Time scale 20: a GEMM then
+    # takes 5.6 ms on the emulated stream, well above the host's 0.2-0.5 ms to dispatch it,
+    # so the stream runs ahead of the host (at scale 1 a slow host never gets 0.6 s ahead)
     for ordered in (True, False):
         dist.barrier()
-        mode = _mode(scale=1.0, stream_ordered=ordered)
+        mode = _mode(scale=20.0, stream_ordered=ordered)
         with mode:
             if ctx.rank == 0:  # owe 0.6 s however slowly this host dispatches
                 while mode._stream_end - time.perf_counter() < 0.6:
