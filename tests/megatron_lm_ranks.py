@@ -106,10 +106,9 @@ def install_recorder() -> None:
 def pretrain_in_process(argv: list[str]) -> list:
     """Run scripts/pretrain_gpt.py ARGV under the plugin in this process and return the
     recorded steps (rank 0; [] elsewhere; `_Recorder.pairs` counts this run's co-executed
-    layer pairs); Megatron's global state is torn down after."""
-    from megatron.training.training import destroy_global_state
-
+    layer pairs); Megatron's global state and process groups are torn down after."""
     from dhelix.megatron_lm import run_script
+    from megatron_patches.step_harness import tear_down_megatron
 
     install_recorder()
     _Recorder.steps, _Recorder.evals, _Recorder.pairs = [], [], 0
@@ -117,7 +116,7 @@ def pretrain_in_process(argv: list[str]) -> list:
     try:
         run_script(SCRIPT, list(argv))
     finally:
-        destroy_global_state()
+        tear_down_megatron()
     return _Recorder.steps
 
 
