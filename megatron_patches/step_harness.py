@@ -346,41 +346,15 @@ class PretrainedRun:
 
 
 def close_all_runs() -> None:
-    """Close every run and tear down Megatron's process state and groups
-    (`tear_down_megatron`; idempotent; every rank calls it at the same point)."""
-    while _LIVE:  # no local name may keep a run alive through the collection that follows
-        _LIVE.pop().closed = True
+    """Close every run and tear down Megatron's global state (idempotent)."""
+    from megatron.training.training import destroy_global_state
+
+    for run in list(_LIVE):
+        run.closed = True
+    _LIVE.clear()
     _LAST_LAYOUT[0] = None
     _LANES[0] = None
-    tear_down_megatron()
-
-
-def tear_down_megatron() -> None:
-    """After a `pretrain()` in this process (or its step-harness runs), once nothing uses
-    them: forget the hooks' last DHelix set-up, tear down Megatron's global state and
-    destroy every process group but the world's, then collect the reference cycles that
-    held them. Megatron's `destroy_global_state` drops its references to its groups but
-    leaves them registered with torch.distributed, and a run's objects hold them in cycles,
-    so without this each group's gloo threads (a transport loop waking every 10 ms) stay
-    until the process ends (measured: a tiny PP=2 run starts 80 threads; 74 stayed after
-    `destroy_global_state` alone, 17 with this; a 4-rank launch of many runs had 730-950
-    threads a rank and ran 2.7x longer). Every rank calls it at the same point."""
-    import gc
-
-    import torch.distributed as dist
-    from megatron.training.training import destroy_global_state
-    from torch.distributed import distributed_c10d
-
-    from megatron_patches.training_hooks import forget_run
-
-    forget_run()
     destroy_global_state()
-    if dist.is_initialized():
-        world = distributed_c10d._get_default_group()
-        for group in list(distributed_c10d._world.pg_map):
-            if group is not world:
-                dist.destroy_process_group(group)
-    gc.collect()
 
 
 class _TimedForwardBackward:

@@ -143,12 +143,6 @@ class _Run:
     setup = None
 
 
-def forget_run() -> None:
-    """Drop what the hooks hold of the last run (its DHelix set-up holds its lane and
-    transfer process groups); the step harness calls it once every run is closed."""
-    _Run.forward_backward = _Run.setup = None
-
-
 def _megatron_args():
     from megatron.training import get_args
 

@@ -106,9 +106,10 @@ def install_recorder() -> None:
 def pretrain_in_process(argv: list[str]) -> list:
     """Run scripts/pretrain_gpt.py ARGV under the plugin in this process and return the
     recorded steps (rank 0; [] elsewhere; `_Recorder.pairs` counts this run's co-executed
-    layer pairs); Megatron's global state and process groups are torn down after."""
+    layer pairs); Megatron's global state is torn down after."""
+    from megatron.training.training import destroy_global_state
+
     from dhelix.megatron_lm import run_script
-    from megatron_patches.step_harness import tear_down_megatron
 
     install_recorder()
     _Recorder.steps, _Recorder.evals, _Recorder.pairs = [], [], 0
@@ -116,7 +117,7 @@ def pretrain_in_process(argv: list[str]) -> list:
     try:
         run_script(SCRIPT, list(argv))
     finally:
-        tear_down_megatron()
+        destroy_global_state()
     return _Recorder.steps
 
 

@@ -30,11 +30,19 @@ def tiny_run(*extra: str):
 
 
 def close_runs() -> None:
-    """Close every step-harness run and destroy every process group but the world's
-    (`close_all_runs`). Collective: every rank calls it at the same point."""
+    """Close every step-harness run and destroy every process group but the world's (no run
+    is left to use them): an idle gloo group's transport thread wakes every 10 ms, and a
+    matrix that builds many layouts would otherwise slow each later run down on a small CPU.
+    Collective: every rank calls it at the same point."""
+    from torch.distributed import distributed_c10d
+
     from megatron_patches.step_harness import close_all_runs
 
     close_all_runs()
+    world = distributed_c10d._get_default_group()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 def layout_args(tp: int = 1, pp: int = 1, sp: bool = False, distopt: bool = False) -> list:
