@@ -7,6 +7,10 @@ engine: a layer execution holds one as a pending value, so the strand executor w
 only when an operator reads it and runs the other strand meanwhile). Everyone else calls
 `landed()` first.
 
+`Finishing` is the same for a collective whose result needs a last local step before it is
+the value (the outside-the-layers TP all-reduces of `megatron_patches.deferred_reduce`):
+that step runs once, right after the wait, on the waiting thread / current stream.
+
 Guarantees: the receive is waited on at most once, however often `wait()` / `landed()` are
 called (a second wait on a gloo point-to-point Work never returns). The buffer belongs to
 whoever holds the `Arriving`; it lives on the device the receiver allocated it on; waiting
@@ -43,6 +47,27 @@ class Arriving:
         """The buffer, after waiting for the receive."""
         self.wait()
         return self.tensor
+
+
+class Finishing(Arriving):
+    """An `Arriving` whose value is ready only after `finish()` has run once the work
+    completed: `finish` (no arguments) runs exactly once, on the first `wait()`, and leaves
+    the value in `tensor` (the buffer given here, written in place). `is_completed()` says
+    whether waiting would block on communication (`finish` is local computation)."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, tensor: torch.Tensor, work, finish):
+        super().__init__(tensor, work)
+        self._finish = finish
+
+    def wait(self) -> bool:
+        if not self._waited:
+            self._work.wait()
+            finish, self._finish = self._finish, None
+            finish()
+            self._waited = True
+        return True
 
 
 def landed(value):

@@ -52,6 +52,9 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                 "run the layer pairs of an SI block strictly one after the other; by "
                 "default a pair's trailing backward-only blocks run together with the "
                 "next pair's leading forward-only blocks (docs/runtime.md)")
+    _off_switch(g, "--dhelix-no-embedding-overlap", "dhelix_embedding_overlap",
+                "keep the embedding's TP all-reduce blocking, as Megatron does; by default "
+                "an SI block's backward strand computes while it travels (docs/runtime.md)")
     g.add_argument("--dhelix-streamed", action="store_true", default=None,
                    help="run each SI block as one static sequence of both strands' operators, "
                         "layer after layer, with no block barriers and both strands' "

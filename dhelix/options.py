@@ -57,6 +57,8 @@ class DHelixOptions:
     pairer: str = "dp"  # --dhelix-pairer: dp | sequential | round_robin | domino
     block_barriers: bool = True  # --dhelix-no-block-barriers: False
     layer_seams: bool = True  # --dhelix-no-layer-seams: False
+    # --dhelix-no-embedding-overlap: False (the embedding's TP all-reduce stays blocking)
+    embedding_overlap: bool = True
     # SI blocks as one static operator sequence (planner.streamed) where it is predicted
     # faster than the block plan: --dhelix-streamed True (also with a plan file, and above the
     # memory bound where nothing fits), --dhelix-no-streamed False (the block plan); None
@@ -80,11 +82,19 @@ class DHelixOptions:
                    profile=args.dhelix_profile, pairer=args.dhelix_pairer,
                    block_barriers=bool(args.dhelix_block_barriers),
                    layer_seams=bool(args.dhelix_layer_seams),
+                   embedding_overlap=bool(args.dhelix_embedding_overlap),
                    streamed=args.dhelix_streamed, attention=args.dhelix_attention,
                    memory_bound=bool(args.dhelix_memory_bound),
                    memory_margin_mib=(None if args.dhelix_memory_margin is None
                                       else float(args.dhelix_memory_margin)),
                    commfree_timing_only=bool(args.dhelix_commfree_timing_only))
+
+    @property
+    def defers_embedding_reduce(self) -> bool:
+        """Whether SI blocks let the embedding's TP all-reduce travel while the backward
+        strand computes (`megatron_patches.deferred_reduce`, where exact): on by default,
+        never for the sequential pairing (the reference rows keep Megatron's blocking one)."""
+        return self.embedding_overlap and self.pairer != SEQUENTIAL
 
     @property
     def domino(self) -> bool:

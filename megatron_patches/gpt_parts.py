@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_patches import deferred_reduce
 from megatron_patches.tied_embedding import tied_embedding_gradient
 
 
@@ -85,6 +86,9 @@ class GPTParts:
             raise UnsupportedModelError("the PP=1 DHelix schedule needs the whole model on "
                                         "one stage (pre_process and post_process)")
         self.tied = tied_embedding_gradient(m, whole_model)
+        # whether the embedding's TP all-reduce can run asynchronously, exactly
+        # (`megatron_patches.deferred_reduce`)
+        self.embedding_reduce_deferrable = deferred_reduce.embedding_deferrable(m)
 
     @property
     def layers(self) -> list:
@@ -134,6 +138,14 @@ class GPTParts:
         out = self.model._preprocess(input_ids=input_ids, position_ids=position_ids,
                                      decoder_input=decoder_input)
         return PreOutput(decoder_input=out[0], rotary_pos_emb=out[1])
+
+    def pre_deferred(self, input_ids, position_ids):
+        """`pre` of the embedding with its TP all-reduce left in flight (only where
+        `embedding_reduce_deferrable`): (the `PreOutput`, whose `decoder_input` carries the
+        graph but not yet the summed values, the layer input as a `dhelix.arriving.Finishing`
+        that holds them once waited on); `megatron_patches.deferred_reduce`."""
+        return deferred_reduce.embedding_forward(
+            lambda: self.pre(input_ids, position_ids))
 
     def post(self, hidden_states, input_ids, position_ids, labels, pre: PreOutput):
         """Final norm, output layer and per-token loss (labels given) or logits."""

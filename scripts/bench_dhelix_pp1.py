@@ -150,6 +150,14 @@ def _plan_costs(run) -> dict:
         out["layer_comm_ms"] = (
             sum(setup.costs.solo_f[o] for o, node in fwd.items() if node.kind == "comm")
             + sum(setup.costs.solo_b[o] for o, node in bwd.items() if node.kind == "comm"))
+    if pairs is not None and getattr(setup.engine.passes, "defer_embedding_reduce", False):
+        # the embedding's all-reduce travels while the SI block's backward strand computes
+        # (`megatron_patches.deferred_reduce`): estimated at the solo time of a layer's
+        # forward all-reduce (the same [s, b, h] tensor on the same group)
+        comm = [o for o, node in fwd.items() if node.kind == "comm"]
+        if comm:
+            out["embedding_reduces_hidden_per_step"] = microbatches - 1
+            out["embedding_reduce_saving_ms"] = setup.costs.solo_f[comm[0]]
     if seam is not None:
         apart = sum(b.predicted_ms for b in plan.blocks[:seam.head]) + sum(
             b.predicted_ms for b in plan.blocks[len(plan.blocks) - seam.tail:])

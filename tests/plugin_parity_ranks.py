@@ -164,6 +164,27 @@ def _count_streamed_si_blocks(runner) -> list:
     return calls
 
 
+@contextlib.contextmanager
+def _counted_finishing_waits(counts: dict):
+    """Within: every `dhelix.arriving.Finishing` (the embedding's deferred all-reduce,
+    `megatron_patches.deferred_reduce`) waited on for the first time adds one to
+    `counts["embedding"]`."""
+    from dhelix.arriving import Finishing
+
+    original = Finishing.wait
+
+    def counted(self):
+        if not self._waited:
+            counts["embedding"] = counts.get("embedding", 0) + 1
+        return original(self)
+
+    Finishing.wait = counted
+    try:
+        yield
+    finally:
+        Finishing.wait = original
+
+
 def _reference(run, steps: int) -> dict:
     """Stock Megatron's observed steps (`observed_step`) and next evaluation loss."""
     return {"steps": [observed_step(run, with_grads=True) for _ in range(steps)],
@@ -182,7 +203,9 @@ def _dhelix_case(case: ParityCase, ref: dict, steps: int) -> dict:
         if case.seam:
             plan_with_a_seam(setup.runner)
         streamed_calls = _count_streamed_si_blocks(setup.runner)
-        got = [observed_step(run, with_grads=True) for _ in range(steps)]
+        deferred = {}
+        with _counted_finishing_waits(deferred):
+            got = [observed_step(run, with_grads=True) for _ in range(steps)]
         trained = engine_record(run)
         eval_diff = abs(ref["eval"] - eval_loss(run))
         with run.active():
@@ -195,6 +218,7 @@ def _dhelix_case(case: ParityCase, ref: dict, steps: int) -> dict:
                 "num_microbatches": num_microbatches,
                 "seam": setup.runner.seam is not None,
                 "streamed_si_blocks": len(streamed_calls),
+                "deferred_reduces": deferred,
                 "describe": setup.describe()}
     finally:
         run.close()

@@ -30,6 +30,7 @@ FP32_EVAL = 1e-6    # |eval loss diff| of one forward-only global batch
 TP2 = ("--tensor-model-parallel-size", "2")
 TP4 = ("--tensor-model-parallel-size", "4")
 SP = ("--sequence-parallel",)
+ROPE = ("--position-embedding-type", "rope")
 LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear")
 
@@ -56,13 +57,18 @@ CASES_TP2 = {
     "tp2_sp_llama_dp_seam": ParityCase(TP2 + SP + LLAMA, dhelix("dp", *BLOCKS), seam=True),
     "tp2_sp_llama_dp": ParityCase(TP2 + SP + LLAMA, dhelix("dp")),
     "tp2_sp_llama_dp_streamed": ParityCase(TP2 + SP + LLAMA, dhelix("dp", *STREAMED)),
+    # without SP and with RoPE: the embedding's all-reduce travels asynchronously
+    "tp2_llama_dp": ParityCase(TP2 + LLAMA, dhelix("dp")),
+    "tp2_llama_dp_no_embedding_overlap": ParityCase(
+        TP2 + LLAMA, dhelix("dp", "--dhelix-no-embedding-overlap")),
     # the tiny model: micro-batch 2 -> halves of 1
     "tp2_domino": ParityCase(TP2, dhelix("domino")),
     "tp2_sp_domino": ParityCase(TP2 + SP, dhelix("domino")),
 }
 CASES_TP4 = {
     "tp4_sp_dp": ParityCase(TP4 + SP, dhelix("dp")),
-    "tp4_round_robin": ParityCase(TP4, dhelix("round_robin")),
+    # RoPE (no position embedding): the embedding's all-reduce on 4 ranks deferred too
+    "tp4_round_robin": ParityCase(TP4 + ROPE, dhelix("round_robin")),
     "tp4_sp_dp_seam": ParityCase(TP4 + SP, dhelix("dp", *BLOCKS), seam=True),
     "tp4_sp_dp_streamed": ParityCase(TP4 + SP, dhelix("dp", *FORCED_STREAMED)),
 }
@@ -186,6 +192,26 @@ def test_si_blocks_ran_streamed_where_the_plan_line_says(tp2, tp4):
         assert "streamed SI blocks" in trained[name]["describe"], name
     for name in streamed:
         assert not trained[name]["seam"], name
+
+
+@pytest.mark.slow  # reads the module's parity launches (the tp2 and tp4 fixtures)
+def test_embedding_all_reduce_travels_where_that_is_exact(tp2, tp4):
+    """The embedding's TP all-reduce ran asynchronously (`megatron_patches.deferred_reduce`,
+    each micro-batch's waited on once) exactly where it can be without changing a bit -
+    without SP and without a position embedding - and only for the pairers that co-execute
+    strands: the sequential baseline keeps it blocking, as `--dhelix-no-embedding-overlap`
+    does. The parity rows above hold for those same runs."""
+    def deferred(name):
+        entry = {**tp2, **tp4}[name]
+        return entry["deferred_reduces"], len(entry["rows"]) * entry["num_microbatches"]
+
+    for name in ("tp2_llama_dp", "tp4_round_robin"):  # RoPE, no SP
+        counts, n = deferred(name)
+        assert counts == {"embedding": n}, (name, counts)
+    for name in ("tp2_dp", "tp2_round_robin",  # a learned position embedding
+                 "tp2_sequential", "tp2_llama_dp_no_embedding_overlap", "tp2_sp_llama_dp",
+                 "tp4_sp_dp"):
+        assert deferred(name)[0] == {}, name
 
 
 @pytest.mark.slow

@@ -197,7 +197,9 @@ def _predicted_speedup(costs: dict | None, t_meg: float | None,
         return None
     sequential = costs.get("sequential_executed_ms", costs["sequential_ms"])
     saved_s = (costs["paired_layers_per_step"] * (sequential - costs["planned_ms"])
-               + (costs.get("seams_per_step") or 0) * costs.get("seam_saving_ms", 0.0)) / 1e3
+               + (costs.get("seams_per_step") or 0) * costs.get("seam_saving_ms", 0.0)
+               + (costs.get("embedding_reduces_hidden_per_step") or 0)
+               * costs.get("embedding_reduce_saving_ms", 0.0)) / 1e3
     return t_meg / (t_sequential - saved_s) if t_sequential > saved_s else None
 
 

@@ -29,6 +29,9 @@ list for the Domino-style pairing), so the baselines are options of one code pat
   what dropping the barriers gains or costs.
 - dhelix_no_seams: the block plan with `--dhelix-no-layer-seams` (the layer pairs of an SI
   block strictly one after the other): what overlapping them at their seams gains.
+- dhelix_no_embedding_overlap: the default with `--dhelix-no-embedding-overlap` (the
+  embedding's TP all-reduce blocking, as Megatron's): what letting it travel beside every
+  SI block's backward strand gains.
 - dhelix_streamed: `--dhelix --dhelix-pairer dp --dhelix-streamed`; streamed wherever the
   sequence is predicted faster, even above the memory bound when no sequence fits it.
 - dhelix_streamed_no_memory_bound: the same with `--dhelix-no-memory-bound`.
@@ -133,6 +136,9 @@ SYSTEMS = (
     System("dhelix_no_seams", "DHelix, block plan, layer pairs without seams",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-streamed",
             "--dhelix-no-layer-seams"), uses_profile=True),
+    System("dhelix_no_embedding_overlap", "DHelix, the embedding's all-reduce blocking",
+           ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-no-embedding-overlap"),
+           uses_profile=True),
     System("dhelix_streamed", "DHelix, streamed SI blocks",
            ("--dhelix", "--dhelix-pairer", "dp", "--dhelix-streamed"), uses_profile=True),
     System("dhelix_streamed_no_memory_bound", "DHelix, streamed, no memory bound",

@@ -32,6 +32,13 @@ which the chunk pass state hands from the forward to the backward; nothing else 
 A chunk's input and the gradient of its output are handed to the layer runner in
 one-element lists (`layer_runner.take_handed`): no frame here keeps them alive while the
 chunk's layers run.
+With `defer_embedding_reduce`, where the model allows it exactly, the embedding's TP
+all-reduce is left in flight (`megatron_patches.deferred_reduce`): the layer input is then a
+`dhelix.arriving.Finishing`, held pending like a received tensor. An SI block
+back-propagates its backward's loss first (Megatron's blocking all-reduce of the output
+layer's input gradient included), then embeds its forward's micro-batch, so its backward
+strand can start while the embedding's all-reduce travels. The sequential pairing (the
+benchmark's reference rows) keeps it blocking, as Megatron does.
 Point-to-point: a received input or output gradient may come as a `dhelix.arriving.Arriving`
 (`accepts_arriving`): the layer execution holds it pending and its first reader waits, so an
 SI block starts on whichever strand's input has landed. An SI block reports its forward
@@ -80,10 +87,13 @@ class OperatorPasses:
     # received tensors may be handed over still in flight (`dhelix.arriving.Arriving`)
     accepts_arriving = True
 
-    def __init__(self, parts: GPTParts, runner: LayerRunner, loss_at_forward: bool):
+    def __init__(self, parts: GPTParts, runner: LayerRunner, loss_at_forward: bool,
+                 defer_embedding_reduce: bool = False):
         self.parts = parts
         self.runner = runner
         self.loss_at_forward = loss_at_forward
+        self.defer_embedding_reduce = (defer_embedding_reduce
+                                       and parts.embedding_reduce_deferrable)
         self.chunk_layers = []
         start = 0
         for chunk in range(parts.num_chunks):
@@ -106,12 +116,18 @@ class OperatorPasses:
     # ------------------------------------------------------------------ forward
     def _forward_head(self, work: ForwardWork):
         """([layer input], RoPE table, the embedding output's gradient edge or None): the
-        layer input in a one-element list, to hand to the layer runner."""
+        layer input in a one-element list, to hand to the layer runner (a `Finishing` while
+        the embedding's all-reduce travels, with `defer_embedding_reduce`)."""
         batch = work.batch
         if work.inp is None:
-            pre = self.parts.pre(batch["tokens"], batch["position_ids"])
+            if self.defer_embedding_reduce:
+                pre, layer_input = self.parts.pre_deferred(batch["tokens"],
+                                                           batch["position_ids"])
+            else:
+                pre = self.parts.pre(batch["tokens"], batch["position_ids"])
+                layer_input = pre.decoder_input.detach()
             edge = get_gradient_edge(pre.decoder_input)
-            return [pre.decoder_input.detach()], pre.rotary_pos_emb, edge
+            return [layer_input], pre.rotary_pos_emb, edge
         x = work.inp if isinstance(work.inp, Arriving) else work.inp.detach()
         pre = self.parts.pre(batch["tokens"], batch["position_ids"],
                              decoder_input=buffer_of(x))  # reads no value of it
@@ -184,10 +200,12 @@ class OperatorPasses:
 
     # ---------------------------------------------------------------- SI block
     def si(self, forward: ForwardWork, backward: BackwardWork, produced=None):
-        """The SI block: the backward's loss part first, then the layer pairs co-executed,
-        then the forward's loss part and the backward's embedding part. `produced(direction,
-        tensor)` (the executor's, or None) gets the forward's output (not on the loss chunk)
-        and the input gradient (not on the embedding chunk) as soon as its strand is done."""
+        """The SI block: the backward's loss part first, then the forward's embedding (its
+        all-reduce left in flight with `defer_embedding_reduce`), then the layer pairs
+        co-executed, then the forward's loss part and the backward's embedding part.
+        `produced(direction, tensor)` (the executor's, or None) gets the forward's output
+        (not on the loss chunk) and the input gradient (not on the embedding chunk) as soon
+        as its strand is done."""
         grads = self._backward_head(backward)
         inputs, rotary, embedding = self._forward_head(forward)
         on_output = None

@@ -250,7 +250,9 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
                          block_barriers=options.block_barriers, pair_plans=pair_plans)
     pipelined = run.parallel.pipelined
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
-                            OperatorPasses(parts, runner, loss_at_forward=pipelined),
+                            OperatorPasses(parts, runner, loss_at_forward=pipelined,
+                                           defer_embedding_reduce=(
+                                               options.defers_embedding_reduce)),
                             transfer_groups=transfer_groups)
     return DHelixSetup(parts=parts, runner=runner, plan=first_plan,
                        plan_source=f"{len(pair_plans)} layer-pair plans ({'; '.join(sources)})",
@@ -558,7 +560,9 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
                          seam=None if streamed else plan_seam(options, plan, dags, memory),
                          streamed=streamed)
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
-                            OperatorPasses(parts, runner, loss_at_forward=pipelined),
+                            OperatorPasses(parts, runner, loss_at_forward=pipelined,
+                                           defer_embedding_reduce=(
+                                               options.defers_embedding_reduce)),
                             transfer_groups=transfer_groups)
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
                        engine=engine, timing_only=timing_only, costs=costs)
