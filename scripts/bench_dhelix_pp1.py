@@ -152,12 +152,19 @@ def _plan_costs(run) -> dict:
             + sum(setup.costs.solo_b[o] for o, node in bwd.items() if node.kind == "comm"))
     if pairs is not None and getattr(setup.engine.passes, "defer_embedding_reduce", False):
         # the embedding's all-reduce travels while the SI block's backward strand computes
-        # (`megatron_patches.deferred_reduce`): estimated at the solo time of a layer's
-        # forward all-reduce (the same [s, b, h] tensor on the same group)
-        comm = [o for o, node in fwd.items() if node.kind == "comm"]
-        if comm:
+        # (`megatron_patches.deferred_reduce`): it takes the solo time of a layer's forward
+        # all-reduce (the same [s, b, h] tensor on the same group) off the SI block, at most
+        # the time the link idles in the block (the planned layer pairs less their
+        # collectives' solo times): where the link is busy all along, the all-reduce only
+        # moves, it saves nothing
+        comm_f = [o for o, node in fwd.items() if node.kind == "comm"]
+        if comm_f:
+            pair_comm = (sum(setup.costs.solo_f[o] for o in comm_f)
+                         + sum(setup.costs.solo_b[o] for o, node in bwd.items()
+                               if node.kind == "comm"))
+            idle = len(setup.runner.bound_layers) * max(0.0, planned - pair_comm)
             out["embedding_reduces_hidden_per_step"] = microbatches - 1
-            out["embedding_reduce_saving_ms"] = setup.costs.solo_f[comm[0]]
+            out["embedding_reduce_saving_ms"] = min(setup.costs.solo_f[comm_f[0]], idle)
     if seam is not None:
         apart = sum(b.predicted_ms for b in plan.blocks[:seam.head]) + sum(
             b.predicted_ms for b in plan.blocks[len(plan.blocks) - seam.tail:])
