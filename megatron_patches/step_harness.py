@@ -117,14 +117,16 @@ _LANES: list = [None]  # the LanePool of the runs alive in this process (created
 
 def _layout() -> tuple:
     """What decides Megatron's process groups for the parsed command line (Megatron's
-    `get_args()`): TP, PP, CP, folded or not."""
+    `get_args()`): TP, PP, CP, folded or not, EP and expert TP (a run of another expert
+    layout must not reuse the last run's expert groups)."""
     from megatron.training import get_args
 
     from dhelix.folding import uses_folded_model
 
     args = get_args()
     return (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.context_parallel_size, uses_folded_model(args))
+            args.context_parallel_size, uses_folded_model(args),
+            args.expert_model_parallel_size, args.expert_tensor_parallel_size)
 
 
 @contextlib.contextmanager

@@ -165,7 +165,7 @@ def _count_streamed_si_blocks(runner) -> list:
 
 
 @contextlib.contextmanager
-def _counted_finishing_waits(counts: dict):
+def counted_embedding_waits(counts: dict):
     """Within: every `dhelix.arriving.Finishing` (the embedding's deferred all-reduce,
     `megatron_patches.deferred_reduce`) waited on for the first time adds one to
     `counts["embedding"]`."""
@@ -204,7 +204,7 @@ def _dhelix_case(case: ParityCase, ref: dict, steps: int) -> dict:
             plan_with_a_seam(setup.runner)
         streamed_calls = _count_streamed_si_blocks(setup.runner)
         deferred = {}
-        with _counted_finishing_waits(deferred):
+        with counted_embedding_waits(deferred):
             got = [observed_step(run, with_grads=True) for _ in range(steps)]
         trained = engine_record(run)
         eval_diff = abs(ref["eval"] - eval_loss(run))

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tests.megatron_lm_ranks import SCRIPT, TINY, _global_loss
-from tests.plugin_parity_ranks import compare_steps, engine_record, eval_loss, observed_step
+from tests.plugin_parity_ranks import (compare_steps, counted_embedding_waits, engine_record,
+                                      eval_loss, observed_step)
 
 SGD = ["--optimizer", "sgd", "--lr", "0.05"]
 
@@ -347,7 +348,8 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
     every gradient and every updated parameter; then one forward-only global batch each.
 
     Returns {name: {"init_param_diff", "init_param_key", "rows", "pairs" (co-executed layer
-    pairs per rank), "m", "p", "executed", "eval_loss_diff"}}."""
+    pairs per rank), "m", "p", "steps", "embedding_waits" (per rank: deferred embedding
+    all-reduces waited on, `counted_embedding_waits`), "executed", "eval_loss_diff"}}."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from dhelix.parity import max_abs_diff
@@ -364,16 +366,21 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
         run = tiny_run(*argv, "--dhelix", "--dhelix-pairer", spec.get("pairer", "dp"))
         init_diff, init_key = max_abs_diff(ref_init, full_params(run))
         counter = PairCounter(run.dhelix.runner)
-        got = [observed_step(run, with_grads=True) for _ in range(steps)]
+        deferred = {}
+        with counted_embedding_waits(deferred):
+            got = [observed_step(run, with_grads=True) for _ in range(steps)]
         trained = engine_record(run)
         eval_diff = abs(ref_eval - eval_loss(run))
         pairs = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, counter.pairs)
+        embedding_waits = [None] * dist.get_world_size()
+        dist.all_gather_object(embedding_waits, deferred.get("embedding", 0))
         with run.active():
             m = get_num_microbatches()
         report[name] = {"init_param_diff": init_diff, "init_param_key": init_key,
                         "rows": compare_steps(ref_steps, got), "pairs": pairs,
-                        "m": m, "p": spec["pp"],
+                        "m": m, "p": spec["pp"], "steps": steps,
+                        "embedding_waits": embedding_waits,
                         "executed": {"train": trained, "eval": engine_record(run)},
                         "eval_loss_diff": eval_diff}
         close_runs()

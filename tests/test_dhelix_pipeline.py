@@ -26,7 +26,9 @@ FP32_EVAL = 2e-6    # |eval loss diff| of one forward-only global batch
 STEPS = 3
 
 CASES_4 = {
-    "tp2pp2_m4_dp": dict(tp=2, pp=2, pairer="dp", extra=["--num-layers", "8"]),
+    # RoPE, TP without SP: the folded stage 0's embedding all-reduce travels
+    "tp2pp2_m4_dp": dict(tp=2, pp=2, pairer="dp",
+                         extra=["--num-layers", "8", "--position-embedding-type", "rope"]),
     "tp2pp2_sp_m3_round_robin": dict(tp=2, pp=2, sp=True, pairer="round_robin",
                                      extra=["--num-layers", "4", "--global-batch-size", "6"]),
     # (the Llama-style TP2xPP2+SP case runs inside megatron.training.pretrain:
@@ -84,6 +86,17 @@ def _check(case):
 @pytest.mark.parametrize("name", sorted(CASES_4))
 def test_dhelix_pp_matches_megatron_1f1b_4_ranks(report_4, name):
     _check(report_4[name])
+
+
+def test_folded_stage_0_lets_the_embedding_all_reduce_travel(report_4):
+    """On the folded model (the embedding on stage 0) with RoPE and TP without SP, both
+    stage-0 ranks deferred their embedding's all-reduce for every micro-batch of every step
+    (`megatron_patches.deferred_reduce`), in the runs the parity test above checks; with
+    SP nothing is deferred."""
+    case = report_4["tp2pp2_m4_dp"]
+    every = case["steps"] * case["m"]
+    assert sorted(case["embedding_waits"]) == [0, 0, every, every], case["embedding_waits"]
+    assert set(report_4["tp2pp2_sp_m3_round_robin"]["embedding_waits"]) == {0}
 
 
 @pytest.mark.parametrize("name", sorted(CASES_8))

@@ -185,7 +185,8 @@ def test_si_blocks_ran_streamed_where_the_plan_line_says(tp2, tp4):
         assert entry["streamed_si_blocks"] == expected, (name, entry["describe"])
     streamed = {name for name, entry in trained.items() if entry["streamed_si_blocks"]}
     assert {"tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"} <= streamed
-    considered = {"tp2_dp", "tp2_sp_llama_dp", "tp4_sp_dp"}  # the default's own choice
+    considered = {"tp2_dp", "tp2_sp_llama_dp", "tp4_sp_dp", "tp2_llama_dp",  # the default's
+                  "tp2_llama_dp_no_embedding_overlap"}                    # own choice
     assert streamed <= considered | {"tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"}, \
         streamed
     for name in considered:  # weighed, whichever way it went
