@@ -8,8 +8,9 @@ only when an operator reads it and runs the other strand meanwhile). Everyone el
 `landed()` first.
 
 `Finishing` is the same for a collective whose result needs a last local step before it is
-the value (the outside-the-layers TP all-reduces of `megatron_patches.deferred_reduce`):
-that step runs once, right after the wait, on the waiting thread / current stream.
+the value (the embedding's TP all-reduce, `megatron_patches.deferred_reduce`, transposed
+once it landed): that step runs once, right after the wait, on the waiting thread / current
+stream.
 
 Guarantees: the receive is waited on at most once, however often `wait()` / `landed()` are
 called (a second wait on a gloo point-to-point Work never returns). The buffer belongs to
