@@ -144,12 +144,15 @@ def _plan_costs(run) -> dict:
         + strand_alone_ms(sequential.bwd_order, bwd, setup.costs, "bwd", fwd))
     same_layers = all(set(layer.programs.dags()["fwd"].by_id()) == set(fwd)
                       for layer in setup.runner.bound_layers)
+    comm_f = [o for o, node in fwd.items() if node.kind == "comm"]
+    # the solo times of one layer's forward and backward collectives, summed
+    layer_comm_ms = (sum(setup.costs.solo_f[o] for o in comm_f)
+                     + sum(setup.costs.solo_b[o] for o, node in bwd.items()
+                           if node.kind == "comm"))
     if layer_runs is not None and same_layers:  # a mixed stack's layers differ: not summed
         out["layers_per_step"] = layer_runs
         out["costs_source"] = setup.costs.source
-        out["layer_comm_ms"] = (
-            sum(setup.costs.solo_f[o] for o, node in fwd.items() if node.kind == "comm")
-            + sum(setup.costs.solo_b[o] for o, node in bwd.items() if node.kind == "comm"))
+        out["layer_comm_ms"] = layer_comm_ms
     if pairs is not None and getattr(setup.engine.passes, "defer_embedding_reduce", False):
         # the embedding's all-reduce travels while the SI block's backward strand computes
         # (`megatron_patches.deferred_reduce`): it takes the solo time of a layer's forward
@@ -157,12 +160,8 @@ def _plan_costs(run) -> dict:
         # the time the link idles in the block (the planned layer pairs less their
         # collectives' solo times): where the link is busy all along, the all-reduce only
         # moves, it saves nothing
-        comm_f = [o for o, node in fwd.items() if node.kind == "comm"]
         if comm_f:
-            pair_comm = (sum(setup.costs.solo_f[o] for o in comm_f)
-                         + sum(setup.costs.solo_b[o] for o, node in bwd.items()
-                               if node.kind == "comm"))
-            idle = len(setup.runner.bound_layers) * max(0.0, planned - pair_comm)
+            idle = len(setup.runner.bound_layers) * max(0.0, planned - layer_comm_ms)
             out["embedding_reduces_hidden_per_step"] = microbatches - 1
             out["embedding_reduce_saving_ms"] = min(setup.costs.solo_f[comm_f[0]], idle)
     if seam is not None:
