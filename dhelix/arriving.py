@@ -7,6 +7,12 @@ engine: a layer execution holds one as a pending value, so the strand executor w
 only when an operator reads it and runs the other strand meanwhile). Everyone else calls
 `landed()` first.
 
+`Producing` is a value not computed yet: the next micro-batch's embedding output in an SI
+block, produced when the layer runner starts it at a block boundary (before the block whose
+forward strand reads it first), so it is not alive while the backward strand's first layer
+operators hold their activations. Its product may itself be arriving (a `Finishing` whose
+all-reduce then travels).
+
 `Finishing` is the same for a collective whose result needs a last local step before it is
 the value (the embedding's TP all-reduce, `megatron_patches.deferred_reduce`, transposed
 once it landed): that step runs once, right after the wait, on the waiting thread / current
@@ -69,6 +75,49 @@ class Finishing(Arriving):
             finish()
             self._waited = True
         return True
+
+
+class Producing(Arriving):
+    """A value computed locally when started: `produce()` (no arguments) runs exactly once, on
+    `start()` or else on the first `wait()`, and returns the tensor or an `Arriving` of it
+    (then waited on by `wait()`). Before that, `tensor` is None and nothing is allocated.
+    `is_completed()` is True until started (starting is local computation, never a wait on
+    communication), then the product's. Whoever holds it must start it at the same point on
+    every rank of a group when `produce` issues a collective (the layer runner starts it at a
+    block boundary)."""
+
+    __slots__ = ("_produce", "_product")
+
+    def __init__(self, produce):
+        super().__init__(None, None)
+        self._produce = produce
+        self._product = None
+
+    @property
+    def started(self) -> bool:
+        return self._produce is None
+
+    def start(self) -> "Producing":
+        """Run `produce` now (once; later calls do nothing)."""
+        if self._produce is not None:
+            produce, self._produce = self._produce, None
+            product = produce()
+            if isinstance(product, Arriving):
+                self._product, self.tensor = product, product.tensor
+            else:
+                self.tensor = product
+        return self
+
+    def wait(self) -> bool:
+        if not self._waited:
+            self.start()
+            if self._product is not None:
+                self._product.wait()
+            self._waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or self._product is None or self._product.is_completed()
 
 
 def landed(value):

@@ -29,7 +29,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from dhelix.arriving import Arriving, buffer_of
+from dhelix.arriving import Arriving, Producing, buffer_of
 from dhelix.ops.binding import LayerBinding
 from dhelix.ops.collectives import GroupCollectives, NoOpCollectives
 from dhelix.ops.layer_program import build_layer_programs
@@ -103,6 +103,9 @@ class LayerExecution:
                            "released after its last reader)") from None
         if isinstance(value, _Pending):
             value.work.wait()
+            if value.tensor is None:  # a `Producing`: its tensor exists only now
+                self.put(name, value.work.tensor)
+                return value.work.tensor
             value = self._values[name] = value.tensor
         return value
 
@@ -184,7 +187,7 @@ class LayerExecution:
         """Wait for every collective this execution has in flight (a block barrier); the
         values stay held until their readers run."""
         for name, value in list(self._values.items()):
-            if isinstance(value, _Pending):
+            if isinstance(value, _Pending) and value.tensor is not None:
                 value.work.wait()
                 self._values[name] = value.tensor
 
@@ -199,14 +202,15 @@ class LayerExecution:
     # ------------------------------------------------------------- driving
     def begin_forward(self, x, attention_mask=None, rotary_pos_emb=None) -> None:
         """Hand in the layer input (and the mask / rotary table the layer would get). `x`
-        may be a `dhelix.arriving.Arriving`: held pending, waited on by its first reader."""
+        may be a `dhelix.arriving.Arriving`: held pending, waited on by its first reader (a
+        `Producing` not started yet: produced then, its shape checked once it exists)."""
         self._expect_phase("idle", "begin_forward")
         desc = self.bound.description
         if desc.rope and rotary_pos_emb is None:
             raise ValueError("this layer was described with RoPE but no rotary_pos_emb given")
         if not desc.rope and rotary_pos_emb is not None:
             raise ValueError("rotary_pos_emb given for a layer described without RoPE")
-        if buffer_of(x).requires_grad:
+        if not isinstance(x, Producing) and buffer_of(x).requires_grad:
             raise ValueError("the layer input must be a plain tensor (detach it); the "
                              "programs produce its gradient explicitly")
         self._put_handed("x", x)
@@ -275,7 +279,10 @@ class LayerExecution:
 
     # ------------------------------------------------------------ helpers
     def _put_handed(self, name: str, value) -> None:
-        if isinstance(value, Arriving):
+        if isinstance(value, Producing) and not value.started:
+            # nothing to check yet: `get` checks the tensor once it is produced
+            self._values[name] = _Pending(None, value, ())
+        elif isinstance(value, Arriving):
             self.put_pending(name, value.tensor, value)
         else:
             self.put(name, value)

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from dhelix.arriving import Producing
 from dhelix.runtime.lanes import lane_execution
 from dhelix.runtime.strand_executor import Block, run_alone, run_block, run_blocks
 from dhelix.runtime.streamed_executor import StrandChain, run_streamed
@@ -53,6 +54,22 @@ class _OutputReporter:
         elif execution is self.bwd and "bwd" not in self.ended:
             self.ended["bwd"] = execution.end_backward()
             self.on_output("bwd", self.ended["bwd"])
+
+
+def _starter(produced, blocks: Sequence[Block]):
+    """`run_blocks`' `before_block` for an SI block whose forward input is a
+    `dhelix.arriving.Producing` (`produced`; None: nothing to start): starts it before the
+    first of `blocks` with forward operators, at the same block boundary on every rank, so the
+    next micro-batch's embedding output is not allocated while the backward-only blocks before
+    it run (the backward strand's first operators, where a layer pair's memory peaks)."""
+    if produced is None:
+        return None
+    first = next((i for i, block in enumerate(blocks) if block.fwd), 0)
+
+    def before_block(index: int) -> None:
+        if index == first:
+            produced.start()
+    return before_block
 
 
 def alone_order(programs, direction: str) -> tuple:
@@ -168,7 +185,9 @@ class LayerRunner:
         block by block as the plan says, with the backward of `bwd_executions[i]` (given in
         backward order). Both lists have the same length. The first forward layer's input
         and the gradient of the first backward layer's output are handed over in `inputs`
-        and `grads` (both emptied).
+        and `grads` (both emptied). The input may be a `dhelix.arriving.Producing` (the next
+        micro-batch's embedding, not computed yet): it is started before the first block with
+        forward operators (at the start on the streamed path).
 
         With a `seam`, between two layer pairs the next pair's head blocks (forward only)
         run as one block, ended by a barrier, with this pair's tail blocks (backward only);
@@ -193,6 +212,7 @@ class LayerRunner:
                                       grads)
         seam, count = self.seam, len(fwd_layers)
         x, grad = take_handed(inputs), take_handed(grads)
+        produced = x if isinstance(x, Producing) else None
         executions, unfinished = [], None  # the previous pair's backward, its tail not run
         for index, (layer, bwd) in enumerate(zip(fwd_layers, bwd_executions)):
             fwd = self.new_execution(layer)
@@ -213,7 +233,9 @@ class LayerRunner:
             reporter = (_OutputReporter(fwd, bwd, on_output, ended)
                         if on_output is not None and index == count - 1 else None)
             run_blocks(fwd, bwd, blocks[start:end], barrier=self.block_barriers,
-                       timeline=self.timeline, on_strand_end=reporter)
+                       timeline=self.timeline, on_strand_end=reporter,
+                       before_block=_starter(produced, blocks[start:end]))
+            produced = None
             x = ended.pop("fwd") if "fwd" in ended else fwd.end_forward()
             if unfinished is None:
                 grad = ended.pop("bwd") if "bwd" in ended else bwd.end_backward()
@@ -227,6 +249,8 @@ class LayerRunner:
         layer's execution when the sequence reaches it; same ownership and result."""
         schedule = self.streamed.for_pairs(len(fwd_layers))
         outputs, grad_outputs, executions = [take_handed(inputs)], [take_handed(grads)], []
+        if isinstance(outputs[0], Producing):
+            outputs[0].start()  # one operator sequence: no block boundary to start it at
 
         def open_fwd(pair):
             execution = self.new_execution(fwd_layers[pair])

@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from dhelix.arriving import Arriving, buffer_of
+from dhelix.arriving import Arriving, Producing, buffer_of
 from dhelix.ops.local_graph import enter
-from dhelix.runtime.layer_runner import LayerRunner
+from dhelix.runtime.layer_runner import LayerRunner, take_handed
 from dhelix.schedules.actions import BACKWARD, FORWARD
 from dhelix.schedules.executor import BackwardWork, ForwardWork
 from megatron_patches.gpt_parts import GPTParts, PreOutput
@@ -147,6 +147,29 @@ class OperatorPasses:
                               batch["labels"], PreOutput(buffer_of(work.inp), rotary_pos_emb))
         return state, out
 
+    def _forward_head_produced(self, work: ForwardWork):
+        """`_forward_head` of an SI block's forward: ([layer input as a
+        `dhelix.arriving.Producing`], RoPE table, a zero-argument function returning the
+        embedding output's gradient edge once the input was produced). The RoPE table is
+        computed now (from the layer input's shape only), the embedding when the layer
+        runner starts the input (`LayerRunner.run_paired`). Only for the first chunk's
+        forward (its input is the embedding's) without `defer_embedding_reduce`."""
+        batch = work.batch
+        tokens = batch["tokens"]
+        config = self.parts.model.config
+        rows = tokens.shape[1] // (config.tensor_model_parallel_size
+                                   if config.sequence_parallel else 1)
+        shape_only = torch.empty((rows, tokens.shape[0], config.hidden_size), device="meta")
+        rotary = self.parts.pre(tokens, batch["position_ids"],
+                                decoder_input=shape_only).rotary_pos_emb
+        edge = []
+
+        def produce():
+            inputs, _, embedding = self._forward_head(work)
+            edge.append(embedding)
+            return take_handed(inputs)
+        return [Producing(produce)], rotary, edge.pop
+
     def forward(self, work: ForwardWork):
         inputs, rotary, embedding = self._forward_head(work)
         y, executions = self.layers_forward(self.chunk_layers[work.chunk], inputs, rotary)
@@ -200,14 +223,22 @@ class OperatorPasses:
 
     # ---------------------------------------------------------------- SI block
     def si(self, forward: ForwardWork, backward: BackwardWork, produced=None):
-        """The SI block: the backward's loss part first, then the forward's embedding (its
-        all-reduce left in flight with `defer_embedding_reduce`), then the layer pairs
-        co-executed, then the forward's loss part and the backward's embedding part.
+        """The SI block: the backward's loss part first, then the layer pairs co-executed,
+        the forward's embedding computed before the first block with forward operators
+        (`_forward_head_produced`: not beside the backward-only blocks before it, where
+        the backward strand holds the most) or, with `defer_embedding_reduce`, before the
+        layer pairs (its all-reduce left in flight beside them), then the forward's loss
+        part and the backward's embedding part.
         `produced(direction, tensor)` (the executor's, or None) gets the forward's output
         (not on the loss chunk) and the input gradient (not on the embedding chunk) as soon
         as its strand is done."""
         grads = self._backward_head(backward)
-        inputs, rotary, embedding = self._forward_head(forward)
+        # produced at the first forward block; with `defer_embedding_reduce` at once, so the
+        # all-reduce travels beside the backward-only blocks too (+ one layer input of memory
+        # while the backward strand starts: docs/runtime.md, "The embedding's all-reduce")
+        produced = forward.inp is None and not self.defer_embedding_reduce
+        head = self._forward_head_produced if produced else self._forward_head
+        inputs, rotary, embedding = head(forward)
         on_output = None
         if produced is not None:
             sends = {"fwd": (FORWARD, forward.chunk != self.loss_chunk),
@@ -220,5 +251,7 @@ class OperatorPasses:
         y, executions, grad = self.runner.run_paired(
             self.chunk_layers[forward.chunk], inputs, rotary,
             list(reversed(backward.state.executions)), grads, on_output)
+        if produced:
+            embedding = embedding()  # the input was produced: its gradient edge
         result = self._forward_tail(forward, y, rotary, embedding, executions)
         return result, self._backward_tail(backward, grad)
