@@ -236,8 +236,8 @@ class OperatorPasses:
         # produced at the first forward block; with `defer_embedding_reduce` at once, so the
         # all-reduce travels beside the backward-only blocks too (+ one layer input of memory
         # while the backward strand starts: docs/runtime.md, "The embedding's all-reduce")
-        produced = forward.inp is None and not self.defer_embedding_reduce
-        head = self._forward_head_produced if produced else self._forward_head
+        embedding_later = forward.inp is None and not self.defer_embedding_reduce
+        head = self._forward_head_produced if embedding_later else self._forward_head
         inputs, rotary, embedding = head(forward)
         on_output = None
         if produced is not None:
@@ -251,7 +251,7 @@ class OperatorPasses:
         y, executions, grad = self.runner.run_paired(
             self.chunk_layers[forward.chunk], inputs, rotary,
             list(reversed(backward.state.executions)), grads, on_output)
-        if produced:
+        if embedding_later:
             embedding = embedding()  # the input was produced: its gradient edge
         result = self._forward_tail(forward, y, rotary, embedding, executions)
         return result, self._backward_tail(backward, grad)
