@@ -159,6 +159,8 @@ class OperatorPasses:
         config = self.parts.model.config
         rows = tokens.shape[1] // (config.tensor_model_parallel_size
                                    if config.sequence_parallel else 1)
+        # a shape without storage: `_preprocess` reads only its sequence length (dim 0) for
+        # the RoPE table; nothing is computed on it or kept
         shape_only = torch.empty((rows, tokens.shape[0], config.hidden_size), device="meta")
         rotary = self.parts.pre(tokens, batch["position_ids"],
                                 decoder_input=shape_only).rotary_pos_emb
