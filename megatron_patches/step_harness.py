@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import re
 import time
 from dataclasses import dataclass, field
@@ -336,27 +337,49 @@ class PretrainedRun:
             return losses
 
     def close(self) -> None:
-        """Forget this run; when it was the last one alive, tear down Megatron's global state
-        (`destroy_global_state`) so a later `pretrain()` in this process starts afresh."""
+        """Forget this run (`_drop_state`); when it was the last one alive, tear down
+        Megatron's global state (`destroy_global_state`) so a later `pretrain()` in this
+        process starts afresh."""
         if self.closed:
             return
         self.closed = True
+        self._drop_state()
         if self in _LIVE:
             _LIVE.remove(self)
         if not _LIVE:
             close_all_runs()
 
+    def _drop_state(self) -> None:
+        """Let go of the Megatron objects this run owns (model, optimizer, data iterator,
+        process-group collections, the plugin's set-up, the globals' snapshot but for the
+        parsed arguments, which `args` still returns): once no caller holds them either,
+        their memory is freed, and so are their process groups (each gloo group keeps
+        transport threads alive until its last reference goes, measured 80 threads a rank
+        for one tiny TP=2 run; left alive by every closed run of a process that builds
+        many, they woke often enough to take a third of two cores)."""
+        args_key = ("megatron.training.global_vars", "_GLOBAL_ARGS")
+        kept = self.globals_at_capture
+        if kept is not None:
+            self.globals_at_capture = MegatronGlobals(
+                values={args_key: kept.values.get(args_key)}, plugin_run={})
+        self.model = self.optimizer = self.opt_param_scheduler = None
+        self.data_iterator = self.forward_step_func = self.forward_backward_func = None
+        self.config = self.pg_collection = self.p2p_communicator = self.dhelix = None
+
 
 def close_all_runs() -> None:
-    """Close every run and tear down Megatron's global state (idempotent)."""
+    """Close every run (`PretrainedRun._drop_state`) and tear down Megatron's global state
+    (idempotent); collects garbage, so what the runs held is freed once callers let go."""
     from megatron.training.training import destroy_global_state
 
     for run in list(_LIVE):
         run.closed = True
+        run._drop_state()
     _LIVE.clear()
     _LAST_LAYOUT[0] = None
     _LANES[0] = None
     destroy_global_state()
+    gc.collect()  # the closed runs' reference cycles, so their process groups end now
 
 
 class _TimedForwardBackward:
