@@ -111,6 +111,7 @@ class _Captured(BaseException):
         self.call = call
 
 
+_ARGS_KEY = ("megatron.training.global_vars", "_GLOBAL_ARGS")  # MegatronGlobals key of the args
 _LIVE: list = []  # PretrainedRun objects not closed yet, oldest first
 _LAST_LAYOUT: list = [None]
 _LANES: list = [None]  # the LanePool of the runs alive in this process (created on first use)
@@ -262,7 +263,7 @@ class PretrainedRun:
     @property
     def args(self):
         """Megatron's parsed arguments of this run."""
-        return self.globals_at_capture.values[("megatron.training.global_vars", "_GLOBAL_ARGS")]
+        return self.globals_at_capture.values[_ARGS_KEY]
 
     @contextlib.contextmanager
     def active(self):
@@ -357,11 +358,10 @@ class PretrainedRun:
         transport threads alive until its last reference goes, measured 80 threads a rank
         for one tiny TP=2 run; left alive by every closed run of a process that builds
         many, they woke often enough to take a third of two cores)."""
-        args_key = ("megatron.training.global_vars", "_GLOBAL_ARGS")
         kept = self.globals_at_capture
         if kept is not None:
             self.globals_at_capture = MegatronGlobals(
-                values={args_key: kept.values.get(args_key)}, plugin_run={})
+                values={_ARGS_KEY: kept.values.get(_ARGS_KEY)}, plugin_run={})
         self.model = self.optimizer = self.opt_param_scheduler = None
         self.data_iterator = self.forward_step_func = self.forward_backward_func = None
         self.config = self.pg_collection = self.p2p_communicator = self.dhelix = None
@@ -378,6 +378,9 @@ def close_all_runs() -> None:
     _LIVE.clear()
     _LAST_LAYOUT[0] = None
     _LANES[0] = None
+    from megatron_patches.training_hooks import _Run
+
+    _Run.forward_backward = _Run.setup = None  # the plugin's state of the last run installed
     destroy_global_state()
     gc.collect()  # the closed runs' reference cycles, so their process groups end now
 

@@ -26,9 +26,25 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def record():
+def launch():
     return run_on_ranks(four_runs_alive, 2, LAYOUTS, STEPS, timeout_s=300,
                         env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def record(launch):
+    return [rank["runs"] for rank in launch]
+
+
+def test_closed_runs_let_their_process_groups_go(launch):
+    # the rank body still holds the four closed runs; their gloo groups' threads must end
+    # with them (each live group keeps transport threads that wake the cores)
+    for rank in launch:
+        threads = rank["threads"]
+        print(f"threads of a rank: {threads}")
+        assert threads["models_dropped"], threads
+        assert threads["alive"] >= threads["start"] + 100, threads  # the check can fail
+        assert threads["closed"] <= threads["start"] + 30, threads
 
 
 def test_runs_keep_their_own_layout(record):
