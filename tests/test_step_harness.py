@@ -8,7 +8,9 @@ schedule), and steps them in turn, so every step runs after another run, of anot
 has run. Same seed and data: each `--dhelix` run starts from its stock run's parameters and
 keeps its losses and parameters (the parity the plugin's own tests hold, bounds of
 tests/test_megatron_lm_parity.py), which a run stepped with another run's globals would not
-(another layout's groups, another micro-batch calculator or data iterator)."""
+(another layout's groups, another micro-batch calculator or data iterator). Closed while the
+rank body still holds them, the runs let their process groups go: each live gloo group keeps
+transport threads, counted before, with all four alive and after."""
 
 import pytest
 
