@@ -380,7 +380,7 @@ def close_all_runs() -> None:
     _LANES[0] = None
     from megatron_patches.training_hooks import _Run
 
-    _Run.forward_backward = _Run.setup = None  # the plugin's state of the last run installed
+    _Run.forget()  # the plugin's state of the last run installed
     destroy_global_state()
     gc.collect()  # the closed runs' reference cycles, so their process groups end now
 

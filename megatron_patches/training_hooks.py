@@ -142,6 +142,12 @@ class _Run:
     forward_backward = None
     setup = None
 
+    @classmethod
+    def forget(cls) -> None:
+        """No run learned yet: a new `pretrain()` starts afresh, and a closed run's set-up
+        (and the process groups it holds) is not kept here."""
+        cls.forward_backward = cls.setup = None
+
 
 def _megatron_args():
     from megatron.training import get_args
@@ -312,7 +318,7 @@ def _hook_training(training) -> None:
 
     @functools.wraps(setup_model_and_optimizer)
     def setup(*args, **kwargs):
-        _Run.forward_backward = _Run.setup = None  # a new pretrain() starts afresh
+        _Run.forget()
         forget_last_checkpoint()
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         megatron_args = _megatron_args()
