@@ -156,3 +156,28 @@ def destroy_parallel_state() -> None:
     """Tear down Megatron's groups (the default process group stays)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def process_groups() -> list:
+    """Every process group alive in this process but the default (world) one, oldest first.
+    torch keeps each group in its registry (`distributed_c10d._world.pg_map`, no public
+    list) until `destroy_process_group(group)`, whoever else holds it; on gloo each live
+    group keeps transport threads that wake every few ms, so a process that builds many
+    runs must destroy the groups it no longer uses ([] before the default group exists)."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return []
+    world = distributed_c10d._get_default_group()
+    return [group for group in distributed_c10d._world.pg_map if group is not world]
+
+
+def destroy_process_groups_since(earlier: list) -> None:
+    """Destroy every group `process_groups()` lists now that `earlier` (an older reading of
+    it) did not: the groups made since, by Megatron's `initialize_megatron`, the plugin's
+    lanes or anyone else, once nothing will use them again. Every rank calls it at the same
+    point (torch asks every member of a group to destroy it)."""
+    before = {id(group) for group in earlier}
+    for group in process_groups():
+        if id(group) not in before:
+            dist.destroy_process_group(group)

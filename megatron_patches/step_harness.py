@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import re
 import time
 from dataclasses import dataclass, field
@@ -115,6 +114,9 @@ _ARGS_KEY = ("megatron.training.global_vars", "_GLOBAL_ARGS")  # MegatronGlobals
 _LIVE: list = []  # PretrainedRun objects not closed yet, oldest first
 _LAST_LAYOUT: list = [None]
 _LANES: list = [None]  # the LanePool of the runs alive in this process (created on first use)
+# `dhelix.parallel.process_groups()` when the first of the runs alive was built: the groups
+# made since (Megatron's, the lanes') are the runs', destroyed by `close_all_runs`
+_GROUPS_BEFORE_RUNS: list = [None]
 
 
 def _layout() -> tuple:
@@ -219,6 +221,10 @@ def build_run(script: str, argv: list[str]) -> "PretrainedRun":
 
     if _LIVE:
         _release_megatron_globals()
+    elif _GROUPS_BEFORE_RUNS[0] is None:
+        from dhelix.parallel import process_groups
+
+        _GROUPS_BEFORE_RUNS[0] = process_groups()
     try:
         with _stopping_at_first_train_step():
             run_script(script, list(argv))
@@ -338,9 +344,9 @@ class PretrainedRun:
             return losses
 
     def close(self) -> None:
-        """Forget this run (`_drop_state`); when it was the last one alive, tear down
-        Megatron's global state (`destroy_global_state`) so a later `pretrain()` in this
-        process starts afresh."""
+        """Forget this run (`_drop_state`); when it was the last one alive,
+        `close_all_runs` (Megatron's global state torn down, the runs' process groups
+        destroyed: collective then) so a later `pretrain()` in this process starts afresh."""
         if self.closed:
             return
         self.closed = True
@@ -354,10 +360,8 @@ class PretrainedRun:
         """Let go of the Megatron objects this run owns (model, optimizer, data iterator,
         process-group collections, the plugin's set-up, the globals' snapshot but for the
         parsed arguments, which `args` still returns): once no caller holds them either,
-        their memory is freed, and so are their process groups (each gloo group keeps
-        transport threads alive until its last reference goes, measured 80 threads a rank
-        for one tiny TP=2 run; left alive by every closed run of a process that builds
-        many, they woke often enough to take a third of two cores)."""
+        their memory is freed. Their process groups stay registered with torch until
+        `close_all_runs` destroys them (runs of one layout share them)."""
         kept = self.globals_at_capture
         if kept is not None:
             self.globals_at_capture = MegatronGlobals(
@@ -368,9 +372,12 @@ class PretrainedRun:
 
 
 def close_all_runs() -> None:
-    """Close every run (`PretrainedRun._drop_state`) and tear down Megatron's global state
-    (idempotent); collects garbage, so what the runs held is freed once callers let go."""
-    from megatron.training.training import destroy_global_state
+    """Close every run (`PretrainedRun._drop_state`), then `tear_down_pretrain`: the
+    plugin's and Megatron's global state go, the process groups made since the first of the
+    runs was built (Megatron's, the plugin's lanes) are destroyed and garbage is collected,
+    so what the runs held, gloo threads included, is freed once callers let go;
+    idempotent. Collective: every rank calls it at the same point."""
+    from dhelix.megatron_lm import tear_down_pretrain
 
     for run in list(_LIVE):
         run.closed = True
@@ -378,11 +385,12 @@ def close_all_runs() -> None:
     _LIVE.clear()
     _LAST_LAYOUT[0] = None
     _LANES[0] = None
-    from megatron_patches.training_hooks import _Run
+    before, _GROUPS_BEFORE_RUNS[0] = _GROUPS_BEFORE_RUNS[0], None
+    if before is None:  # no run built since the last close: no group is the runs'
+        from dhelix.parallel import process_groups
 
-    _Run.forget()  # the plugin's state of the last run installed
-    destroy_global_state()
-    gc.collect()  # the closed runs' reference cycles, so their process groups end now
+        before = process_groups()
+    tear_down_pretrain(before)
 
 
 class _TimedForwardBackward:

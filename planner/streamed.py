@@ -113,8 +113,22 @@ class _Model:
         self.sigma = {(d, o): collective_sigma(costs, o, d, compute[_other(d)])
                       for d in (FWD, BWD) for o, n in self.ops[d].items() if n.kind == "comm"}
 
+        self._memory_tables: dict = {}
+
     def comm(self, direction: str, op: str) -> bool:
         return self.ops[direction][op].kind == "comm"
+
+    def memory_tables(self, memory: MemoryBound) -> tuple[dict, dict]:
+        """Per direction and operator: its live-bytes delta, and what it holds above the
+        live bytes while it runs (its transient, its delta, or nothing); kept per bound."""
+        key = id(memory)
+        if key not in self._memory_tables:
+            per = {FWD: memory.fwd, BWD: memory.bwd}
+            delta = {d: {o: float(per[d].delta[o]) for o in self.ops[d]} for d in per}
+            extra = {d: {o: max(float(per[d].transient[o]), 0.0, delta[d][o])
+                         for o in self.ops[d]} for d in per}
+            self._memory_tables[key] = (memory, delta, extra)  # (holds the key's object)
+        return self._memory_tables[key][1:]
 
 
 def _other(direction: str) -> str:
@@ -139,100 +153,130 @@ def simulate_streamed(model: _Model, fwd_order: Sequence[str], bwd_order: Sequen
     pairs streamed as the module docstring says; the lane order of every pair's collectives
     follows `pattern`; `memory` measures the peak (0.0 without it) and, with `steer`, keeps
     the compute lane within its budget."""
+    ms, sequence, peak = _simulate(model, fwd_order, bwd_order, pattern, pairs, memory, steer)
+    return ms, _steps(sequence), peak
+
+
+def _steps(sequence: tuple) -> tuple:
+    """`_simulate`'s (strand, pair, op) entries as `StreamedStep`s."""
+    return tuple(StreamedStep(d, p, o) for d, p, o in sequence)
+
+
+def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
+              pattern: Sequence[str], pairs: int, memory: MemoryBound | None,
+              steer: bool) -> tuple[float, tuple, float]:
+    """`simulate_streamed` with the sequence as (strand, pair, op) tuples.
+
+    (The planner runs this thousands of times per plan, so it keeps each strand's head
+    operator and the time it is ready until the strand moves on, each layer's end once
+    known, and only the collectives still in flight after the compute lane's clock: a
+    computation starts at or after that clock, so one that has ended cannot slow it.)"""
     orders = {FWD: tuple(fwd_order), BWD: tuple(bwd_order)}
+    size = {d: len(orders[d]) for d in orders}
     position = {FWD: 0, BWD: 0}  # index into the strand's whole stream (pairs x order)
-    length = {d: pairs * len(orders[d]) for d in orders}
+    length = {d: pairs * size[d] for d in orders}
+    is_comm = {d: {o: model.ops[d][o].kind == "comm" for o in orders[d]} for d in orders}
+    deps = {d: {o: tuple(model.ops[d][o].deps) for o in orders[d]} for d in orders}
     lane_queue = [(direction, pair) for pair in range(pairs) for direction in pattern]
     next_lane = 0  # the next collective of lane_queue to issue
     done_at: dict = {}  # (direction, pair, op) -> end time
+    layer_end: dict = {}  # (direction, pair) -> when every op of that layer had ended
     lanes: dict = {}  # channel -> end time of the last collective queued on it
-    running: list = []  # collectives in flight: (start, end, sigma)
+    running: list = []  # collectives in flight after the compute clock: (start, end, sigma)
+    last_end = 0.0  # of every collective issued
     sequence = []
     t = 0.0
     live, peak = 0.0, 0.0
-    op_memory = {FWD: memory.fwd, BWD: memory.bwd} if memory is not None else None
-    if op_memory is not None:  # what one layer pair leaves behind (module docstring)
-        pair_drift = sum(float(op_memory[d].delta[o]) for d in (FWD, BWD) for o in orders[d])
+    bounded = memory is not None
+    if bounded:
+        budget = memory.budget_bytes
+        delta, running_extra = model.memory_tables(memory)
+        # what one layer pair leaves behind (module docstring)
+        pair_drift = sum(delta[d][o] for d in (FWD, BWD) for o in orders[d])
 
     def during(direction, op):
         """Live bytes while `op` runs next, from `live`, above the start of the latest
         layer pair both strands have finished."""
-        mem = op_memory[direction]
-        finished = min(position[FWD] // len(orders[FWD]), position[BWD] // len(orders[BWD]))
-        return (live - finished * pair_drift
-                + max(float(mem.transient[op]), 0.0, float(mem.delta[op])))
-
-    def item(direction):
-        index = position[direction]
-        order = orders[direction]
-        return index // len(order), order[index % len(order)]
+        finished = min(position[FWD] // size[FWD], position[BWD] // size[BWD])
+        return live - finished * pair_drift + running_extra[direction][op]
 
     def layer_started(direction, pair):
-        """The strand's previous layer has ended (every op and collective done) by t."""
+        """The strand's previous layer has ended (every op and collective done) by then."""
         if pair == 0:
             return 0.0
-        ends = [done_at[(direction, pair - 1, o)] for o in orders[direction]]
-        return max(ends)
+        key = (direction, pair - 1)
+        if key not in layer_end:
+            layer_end[key] = max(done_at[(direction, pair - 1, o)] for o in orders[direction])
+        return layer_end[key]
 
-    def ready_at(direction):
-        pair, op = item(direction)
-        node = model.ops[direction][op]
-        times = [layer_started(direction, pair)]
-        times += [done_at[(direction, pair, d)] for d in node.deps]
-        return max(times)
+    def head_of(direction):
+        """(pair, op, ready time) of the strand's next operator, None when it has ended.
+        Its dependencies precede it in the strand's order, so they have ended already and
+        the ready time holds until the strand moves on."""
+        index = position[direction]
+        if index >= length[direction]:
+            return None
+        pair, op = index // size[direction], orders[direction][index % size[direction]]
+        ready = layer_started(direction, pair)
+        for dep in deps[direction][op]:
+            ready = max(ready, done_at[(direction, pair, dep)])
+        return pair, op, ready
 
-    while position[FWD] < length[FWD] or position[BWD] < length[BWD]:
+    head = {FWD: head_of(FWD), BWD: head_of(BWD)}
+    while head[FWD] is not None or head[BWD] is not None:
         # issue every collective at a strand's head that is the lane's next
         issued = True
         while issued:
             issued = False
             for direction in (FWD, BWD):
-                if position[direction] >= length[direction]:
+                if head[direction] is None:
                     continue
-                pair, op = item(direction)
-                if not model.comm(direction, op) or next_lane >= len(lane_queue) \
+                pair, op, ready = head[direction]
+                if not is_comm[direction][op] or next_lane >= len(lane_queue) \
                         or lane_queue[next_lane] != (direction, pair):
                     continue
-                node = model.ops[direction][op]
-                start = max(t, ready_at(direction), lanes.get(node.channel, 0.0))
+                channel = model.ops[direction][op].channel
+                start = max(t, ready, lanes.get(channel, 0.0))
                 end = start + model.solo[direction][op]
-                lanes[node.channel] = end
+                lanes[channel] = end
+                last_end = max(last_end, end)
                 done_at[(direction, pair, op)] = end
                 running.append((start, end, model.sigma[(direction, op)]))
                 sequence.append((direction, pair, op))
-                if op_memory is not None:
+                if bounded:
                     peak = max(peak, during(direction, op))
-                    live += float(op_memory[direction].delta[op])
+                    live += delta[direction][op]
                 position[direction] += 1
+                head[direction] = head_of(direction)
                 next_lane += 1
                 issued = True
         # the compute lane's next operator: a strand whose head is computation
-        heads = [d for d in (FWD, BWD) if position[d] < length[d]
-                 and not model.comm(d, item(d)[1])]
+        heads = [d for d in (FWD, BWD) if head[d] is not None and not is_comm[d][head[d][1]]]
         if not heads:
-            if position[FWD] < length[FWD] or position[BWD] < length[BWD]:
+            if head[FWD] is not None or head[BWD] is not None:
                 raise ValueError(f"lane pattern {tuple(pattern)} does not fit the strand "
                                  "orders (a collective can never be issued)")
             break
-        if op_memory is not None and steer and len(heads) > 1:
-            fits = [d for d in heads if during(d, item(d)[1]) <= memory.budget_bytes]
+        if bounded and steer and len(heads) > 1:
+            fits = [d for d in heads if during(d, head[d][1]) <= budget]
             heads = fits or ([BWD] if BWD in heads else heads)
         owner = lane_queue[next_lane][0] if next_lane < len(lane_queue) else None
-        heads.sort(key=lambda d: (ready_at(d), d != owner))
+        heads.sort(key=lambda d: (head[d][2], d != owner))
         direction = heads[0]
-        if owner in heads and ready_at(owner) <= max(t, ready_at(direction)):
+        if owner in heads and head[owner][2] <= max(t, head[direction][2]):
             direction = owner
-        pair, op = item(direction)
-        start = max(t, ready_at(direction))
+        pair, op, ready = head[direction]
+        start = max(t, ready)
         t = _compute_end(start, model.solo[direction][op], running)
+        running = [c for c in running if c[1] > t]
         done_at[(direction, pair, op)] = t
         sequence.append((direction, pair, op))
-        if op_memory is not None:
+        if bounded:
             peak = max(peak, during(direction, op))
-            live += float(op_memory[direction].delta[op])
+            live += delta[direction][op]
         position[direction] += 1
-    end = max([t] + [e for _, e, _ in running])
-    return end, tuple(StreamedStep(d, p, o) for d, p, o in sequence), peak
+        head[direction] = head_of(direction)
+    return max(t, last_end), tuple(sequence), peak
 
 
 def _compute_end(start: float, work: float, running: list) -> float:
@@ -259,7 +303,8 @@ def _compute_end(start: float, work: float, running: list) -> float:
 class _Outcome(NamedTuple):
     """One candidate simulated over some layer pairs: its better sequence by `key` (within
     the budget first, then faster; outside it, smaller peak first), that sequence's time and
-    peak, and the unsteered ("free") sequence's time and peak (what the bound costs)."""
+    peak, and the unsteered ("free") sequence's time and peak (what the bound costs). The
+    sequence is `_simulate`'s (strand, pair, op) tuples."""
 
     key: tuple
     ms: float
@@ -277,10 +322,10 @@ def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound |
     decision: the same sequence)."""
     pattern, f, b = candidate
     budget = memory.budget_bytes if memory is not None else None
-    free = simulate_streamed(model, f, b, pattern, pairs, memory, steer=False)
+    free = _simulate(model, f, b, pattern, pairs, memory, steer=False)
     runs = [free]
     if budget is not None and free[2] > budget:
-        runs.insert(0, simulate_streamed(model, f, b, pattern, pairs, memory))
+        runs.insert(0, _simulate(model, f, b, pattern, pairs, memory, steer=True))
     best = None
     for ms, sequence, peak in runs:
         key = (0, ms) if budget is None or peak <= budget else (1, peak)
@@ -343,7 +388,7 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
     pattern, f, b = candidates[index]
     bounded = memory is not None
     return StreamedSchedule(fwd_order=f, bwd_order=b, lane_pattern=tuple(pattern),
-                            sequence=best.sequence, pairs=pairs, total_ms=best.ms,
+                            sequence=_steps(best.sequence), pairs=pairs, total_ms=best.ms,
                             searched=searched, peak_bytes=best.peak if bounded else None,
                             budget_bytes=memory.budget_bytes if bounded else None,
                             unbounded_ms=fastest.free_ms if bounded else None,

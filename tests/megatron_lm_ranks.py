@@ -106,18 +106,21 @@ def install_recorder() -> None:
 def pretrain_in_process(argv: list[str]) -> list:
     """Run scripts/pretrain_gpt.py ARGV under the plugin in this process and return the
     recorded steps (rank 0; [] elsewhere; `_Recorder.pairs` counts this run's co-executed
-    layer pairs); Megatron's global state is torn down after."""
-    from megatron.training.training import destroy_global_state
-
-    from dhelix.megatron_lm import run_script
+    layer pairs); after it, `tear_down_pretrain`: Megatron's and the plugin's state go and
+    the process groups the run made are destroyed (each idle gloo group keeps threads that
+    wake every few ms: left alive, the parity launch's 14 runs reached ~950 threads a
+    rank and a third of its CPU time was the kernel's)."""
+    from dhelix.megatron_lm import run_script, tear_down_pretrain
+    from dhelix.parallel import process_groups
 
     install_recorder()
     _Recorder.steps, _Recorder.evals, _Recorder.pairs = [], [], 0
     _Recorder.attention, _Recorder.devices = set(), set()
+    before = process_groups()
     try:
         run_script(SCRIPT, list(argv))
     finally:
-        destroy_global_state()
+        tear_down_pretrain(before)
     return _Recorder.steps
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_patches.step_harness import close_all_runs
 from tests.megatron_lm_ranks import SCRIPT, TINY, _global_loss
 from tests.plugin_parity_ranks import (compare_steps, counted_embedding_waits, engine_record,
                                       eval_loss, observed_step)
@@ -28,22 +29,6 @@ def tiny_run(*extra: str):
     from megatron_patches.step_harness import build_run
 
     return build_run(SCRIPT, TINY + ["--train-iters", "100", *extra])
-
-
-def close_runs() -> None:
-    """Close every step-harness run and destroy every process group but the world's (no run
-    is left to use them): an idle gloo group's transport thread wakes every 10 ms, and a
-    matrix that builds many layouts would otherwise slow each later run down on a small CPU.
-    Collective: every rank calls it at the same point."""
-    from torch.distributed import distributed_c10d
-
-    from megatron_patches.step_harness import close_all_runs
-
-    close_all_runs()
-    world = distributed_c10d._get_default_group()
-    for group in list(distributed_c10d._world.pg_map):
-        if group is not world:
-            dist.destroy_process_group(group)
 
 
 def layout_args(tp: int = 1, pp: int = 1, sp: bool = False, distopt: bool = False) -> list:
@@ -146,7 +131,7 @@ def layout_parity_and_resume(workdir: Path, groups: dict, steps: int = 3) -> dic
         if group.get("try_optimizer_load"):
             report[f"{group_name}_optimizer_load"] = _outcome(lambda: tiny_run(
                 *layout_args(distopt=distopt), *extra, "--load", str(root / "resume")))
-        close_runs()
+        close_all_runs()
         for name, spec in group["layouts"].items():
             layout = layout_args(spec["tp"], spec["pp"], spec.get("sp", False),
                                  spec.get("distopt", False))
@@ -161,7 +146,7 @@ def layout_parity_and_resume(workdir: Path, groups: dict, steps: int = 3) -> dic
             with_grads = not spec.get("distopt", False)
             got = [observed_step(run, with_grads) for _ in expected]
             report[name] = compare_steps(expected, got)
-            close_runs()
+            close_all_runs()
     return report
 
 
@@ -293,7 +278,7 @@ def folded_parity(workdir: Path, cases: dict) -> dict:
         row["exec_1f1b_loss_diff"] = abs(loss - ref_loss)
         row["exec_1f1b_grad_diff"], _ = max_abs_diff(ref_grads, grads)
         row["stock_embedding_group"] = _stock_embedding_group_rejected(stock)
-        close_runs()
+        close_all_runs()
 
         folded = tiny_run(*layout, *extra, "--dhelix", *from_checkpoint(root / "stock_init"))
         row["load_stock_param_diff"], _ = max_abs_diff(init_params, full_params(folded))
@@ -312,7 +297,7 @@ def folded_parity(workdir: Path, cases: dict) -> dict:
         stepped = full_params(folded)
         row["step_changed_params"], _ = max_abs_diff(init_params, stepped)
         save_megatron_checkpoint(folded, root / "folded_step")
-        close_runs()
+        close_all_runs()
 
         back_tp, back_pp = case["back"]
         back = tiny_run(*layout_args(back_tp, back_pp), *extra,
@@ -321,7 +306,7 @@ def folded_parity(workdir: Path, cases: dict) -> dict:
         row["microbatches"] = m
         row["pp"] = case["pp"]
         report[name] = row
-        close_runs()
+        close_all_runs()
     return report
 
 
@@ -362,7 +347,7 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
         ref_init = full_params(ref)
         ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
         ref_eval = eval_loss(ref)
-        close_runs()
+        close_all_runs()
         run = tiny_run(*argv, "--dhelix", "--dhelix-pairer", spec.get("pairer", "dp"))
         init_diff, init_key = max_abs_diff(ref_init, full_params(run))
         counter = PairCounter(run.dhelix.runner)
@@ -383,7 +368,7 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
                         "embedding_waits": embedding_waits,
                         "executed": {"train": trained, "eval": engine_record(run)},
                         "eval_loss_diff": eval_diff}
-        close_runs()
+        close_all_runs()
     return report
 
 
@@ -392,8 +377,7 @@ def pipeline_matrices(ctx, workdir: str, layout_groups: dict, folded_cases: dict
                       pipeline_cases: dict) -> dict:
     """Every matrix of one launch, in turn (an empty dict skips one): {"layout": ...,
     "folded": ..., "pipeline": ...} on every rank. Each matrix closes every run (and its
-    process groups, `close_runs`) as soon as it has what it needs from it."""
-    from megatron_patches.step_harness import close_all_runs
+    process groups, `close_all_runs`) as soon as it has what it needs from it."""
 
     root = Path(workdir)
     report = {}
@@ -455,6 +439,6 @@ def peak_memory(ctx, argv: list) -> dict:
         with runs["dhelix"].active():
             layer = _layer_activation_bytes(runs["dhelix"])
     finally:
-        close_runs()
+        close_all_runs()
     dist.barrier()
     return {"rank": ctx.rank, "memory": memory, "layer_activation_bytes": layer}

@@ -12,13 +12,12 @@ def four_runs_alive(ctx, layouts: dict, steps: int) -> dict:
     `megatron_patches.step_harness.build_run`, all alive at once, then step them in turn
     `steps` times. Per run and step: the full parameters before the step (rank 0, layout-
     independent, `dhelix.parity`), the loss report of this rank, and the run's DHelix plan
-    description. Closes every run at the end (and destroys their process groups,
-    `close_runs`) while this body still holds them, and records under "threads" this
+    description. Closes every run at the end (`close_all_runs`, which destroys their
+    process groups) while this body still holds them, and records under "threads" this
     process's thread count before the runs, with all alive, and after (gloo keeps threads
-    per live group: a closed run must let its groups go, `PretrainedRun.close`)."""
+    per live group: closing the runs must let their groups go)."""
     from dhelix.parity import gather_full_tensors
-    from megatron_patches.step_harness import build_run
-    from tests.plugin_pipeline_ranks import close_runs
+    from megatron_patches.step_harness import build_run, close_all_runs
 
     threads = {"start": _thread_count()}
     runs = {name: build_run(SCRIPT, TINY + ["--train-iters", "100", *extra])
@@ -36,7 +35,7 @@ def four_runs_alive(ctx, layouts: dict, steps: int) -> dict:
             record[name]["loss"].append({k: v.view(-1)[0].item()
                                          for k, v in outcome.loss_dict.items()})
             record[name]["iteration"] = run.iteration
-    close_runs()
+    close_all_runs()
     threads["closed"] = _thread_count()
     threads["models_dropped"] = all(run.model is None for run in runs.values())
     return {"runs": record, "threads": threads}
