@@ -406,6 +406,11 @@ class StreamedPlanner:
         self.max_orders, self.wgrad_move = max_orders, wgrad_move
         self._schedules: dict = {}
 
+    def adopt(self, schedules: dict) -> None:
+        """Take `schedules` (pairs -> `StreamedSchedule`, searched by a planner of the same
+        DAGs, costs and bound elsewhere, e.g. on another rank) as this planner's own."""
+        self._schedules.update(schedules)
+
     def for_pairs(self, pairs: int) -> StreamedSchedule:
         if pairs not in self._schedules:
             self._schedules[pairs] = plan_streamed(self.fwd, self.bwd, self.costs, pairs,

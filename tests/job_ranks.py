@@ -42,6 +42,7 @@ def job_checks(ctx, timeout_s: float) -> dict:
       of lanes built with `Job()` (a group created elsewhere: torch's default);
     - `StallGuard.for_job`: its timeout, each rank's published pid as read by the other
       ranks, a roll call with every rank present, and None for `Job()`;
+    - `planned_once`: every rank gets the first rank's plan, or its error;
     - after the group is re-created by plain `init_process_group` (as megatron.training
       does), `init_process_group_from_env` says it was created elsewhere, and the plugin's
       `job_of_megatron_group(timeout)` gives a Job whose timeout the lanes get and whose
@@ -91,6 +92,21 @@ def job_checks(ctx, timeout_s: float) -> dict:
                                 for r, k in enumerate(keys)]
     out["roll_call_missing"] = guard.roll_call()
     out["elsewhere_guard"] = StallGuard.for_job(Job())
+    # a start-up plan is searched on the stage's first rank only and handed to the rest,
+    # and so is the error it raised (`dhelix.runtime.setup.planned_once`; the stage here:
+    # Megatron's tensor-and-data-parallel group, the world)
+    from dhelix.runtime.setup import planned_once
+
+    out["planned"] = planned_once(lambda: f"planned on rank {ctx.rank}")
+
+    def no_plan():
+        raise ValueError(f"no plan on rank {ctx.rank}")
+
+    try:
+        planned_once(no_plan)
+        out["plan_error"] = None
+    except ValueError as exc:
+        out["plan_error"] = str(exc)
     destroy_parallel_state()
 
     ports = [None] * ctx.world_size

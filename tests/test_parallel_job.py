@@ -57,6 +57,12 @@ def test_stall_guard_finds_the_store(ranks):
         assert out["elsewhere_guard"] is None
 
 
+def test_a_plan_is_searched_on_the_stages_first_rank_and_handed_to_the_rest(ranks):
+    for out in ranks:
+        assert out["planned"] == "planned on rank 0"
+        assert out["plan_error"] == "no plan on rank 0"
+
+
 def test_group_created_elsewhere_gives_an_empty_job(ranks):
     for out in ranks:
         assert out["megatron_style_group"] == (True, None)  # Job(): no store, no timeout

@@ -30,7 +30,6 @@ Benchmark baselines built from the same machinery:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shlex
 from dataclasses import dataclass
@@ -343,8 +342,10 @@ def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
     costs = build_cost_model(fwd, bwd, profile,
                              profile_path=options.profile or "profile")
     command = shlex.join(["dhelix", "plan", "(built at start-up)"])
-    plan = make_plan(fwd, bwd, costs, pairer=options.pairer, model=expected["model"],
-                     parallel=expected["parallel"], command=command, memory=memory)
+    plan = planned_once(lambda: make_plan(fwd, bwd, costs, pairer=options.pairer,
+                                          model=expected["model"],
+                                          parallel=expected["parallel"], command=command,
+                                          memory=memory))
     source = f"built at start-up ({options.pairer}, costs from {costs.source}"
     if memory is not None:
         recorded = plan.search["memory"]
@@ -380,21 +381,31 @@ def _streamed_planner(run: DHelixRun, fwd, bwd, costs, memory=None) -> StreamedP
     return StreamedPlanner(fwd, bwd, costs, memory=memory)
 
 
-def _check_stage_agrees(schedule) -> None:
-    """Refuse (DHelixSetupError, on every rank) a streamed sequence that differs between the
-    ranks of this stage: both strands share one lane group, so two ranks issuing their
-    collectives in different orders would pair one strand's all-reduce with the other's.
-    The inputs (profile, memory readings reduced over the stage) are the same on every rank;
-    this makes sure. Collective over the stage's group."""
+def planned_once(plan: Callable[[], object]):
+    """`plan()` run on the first rank of this rank's pipeline stage only, its result (or the
+    error it raised, raised again on every rank) handed to every rank of the stage
+    (`broadcast_object_list` over `_stage_group()`): the planners' inputs (the layer's
+    DAGs, the profile or analytic costs, the memory readings reduced over the stage) are
+    the same on every rank of a stage, and their plans must be (the stage's collectives pair
+    up: two ranks issuing a streamed block's collectives in different orders would pair one
+    strand's all-reduce with the other's), so one rank searches instead of each, and every
+    rank gets the same plan by construction. Collective over the stage's group; `plan()`
+    alone where no process group exists."""
+    if not dist.is_initialized():
+        return plan()
     group = _stage_group()
-    digest = hashlib.sha256(repr([(s.strand, s.pair, s.op) for s in schedule.sequence])
-                            .encode()).hexdigest()
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, digest, group=group)
-    if len(set(everyone)) > 1:
-        raise DHelixSetupError("--dhelix-streamed: the ranks of a pipeline stage planned "
-                               "different operator sequences; give every rank the same "
-                               "--dhelix-profile (or none)")
+    first = dist.get_global_rank(group, 0)
+    box = [None]
+    if dist.get_rank() == first:
+        try:
+            box[0] = (True, plan())
+        except Exception as exc:  # raised on every rank of the stage below
+            box[0] = (False, exc)
+    dist.broadcast_object_list(box, src=first, group=group)
+    planned, value = box[0]
+    if not planned:
+        raise value
+    return value
 
 
 def _streamed_summary(schedule) -> str:
@@ -420,16 +431,16 @@ def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, me
     file; not the baselines' pairers); `--dhelix-no-streamed` never. Streams where the
     sequence is predicted faster than the block plan a layer pair and, by default, within
     the memory bound (`--dhelix-streamed` runs the least peak where none fits, with a
-    warning). Collective over the stage's group where considered (`_check_stage_agrees`),
-    on every rank alike: the inputs are the same on every rank of the stage."""
+    warning). Collective over the stage's group where considered (`planned_once`), on
+    every rank alike."""
     options = run.options
     forced = options.streamed is True
     if not (forced or (options.streamed is None and options.pairer == "dp"
                        and not options.plan and not options.commfree_timing_only)):
         return None, ""
     streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
-    for size in si_block_pairs(parts):
-        _check_stage_agrees(streamed.for_pairs(size))
+    sizes = si_block_pairs(parts)
+    streamed.adopt(planned_once(lambda: {size: streamed.for_pairs(size) for size in sizes}))
     schedule = streamed.for_pairs(max(si_block_pairs(parts)))
     summary = _streamed_summary(schedule) + (f" against the block plan's "
                                              f"{plan.planned_ms:.2f} ms a pair")
