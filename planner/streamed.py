@@ -103,7 +103,7 @@ class StreamedSchedule:
 
 class _Model:
     """What the simulation reads of both directions: op nodes, solo times, collective
-    slowdowns."""
+    slowdowns, and per memory bound its operators' tables (`memory_tables`)."""
 
     def __init__(self, fwd: OpDAG, bwd: OpDAG, costs: CostModel):
         self.ops = {FWD: fwd.by_id(), BWD: bwd.by_id()}
@@ -112,11 +112,7 @@ class _Model:
                    for d in (FWD, BWD)}
         self.sigma = {(d, o): collective_sigma(costs, o, d, compute[_other(d)])
                       for d in (FWD, BWD) for o, n in self.ops[d].items() if n.kind == "comm"}
-
         self._memory_tables: dict = {}
-
-    def comm(self, direction: str, op: str) -> bool:
-        return self.ops[direction][op].kind == "comm"
 
     def memory_tables(self, memory: MemoryBound) -> tuple[dict, dict]:
         """Per direction and operator: its live-bytes delta, and what it holds above the
