@@ -107,6 +107,9 @@ class _Model:
 
     def __init__(self, fwd: OpDAG, bwd: OpDAG, costs: CostModel):
         self.ops = {FWD: fwd.by_id(), BWD: bwd.by_id()}
+        self.is_comm = {d: {o: n.kind == "comm" for o, n in self.ops[d].items()}
+                        for d in (FWD, BWD)}
+        self.deps = {d: {o: tuple(n.deps) for o, n in self.ops[d].items()} for d in (FWD, BWD)}
         self.solo = {FWD: costs.solo_f, BWD: costs.solo_b}
         compute = {d: [o for o, n in self.ops[d].items() if n.kind != "comm"]
                    for d in (FWD, BWD)}
@@ -171,8 +174,7 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
     size = {d: len(orders[d]) for d in orders}
     position = {FWD: 0, BWD: 0}  # index into the strand's whole stream (pairs x order)
     length = {d: pairs * size[d] for d in orders}
-    is_comm = {d: {o: model.ops[d][o].kind == "comm" for o in orders[d]} for d in orders}
-    deps = {d: {o: tuple(model.ops[d][o].deps) for o in orders[d]} for d in orders}
+    is_comm, deps = model.is_comm, model.deps
     lane_queue = [(direction, pair) for pair in range(pairs) for direction in pattern]
     next_lane = 0  # the next collective of lane_queue to issue
     done_at: dict = {}  # (direction, pair, op) -> end time

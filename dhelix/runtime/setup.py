@@ -441,7 +441,7 @@ def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, me
     streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
     sizes = si_block_pairs(parts)
     streamed.adopt(planned_once(lambda: {size: streamed.for_pairs(size) for size in sizes}))
-    schedule = streamed.for_pairs(max(si_block_pairs(parts)))
+    schedule = streamed.for_pairs(max(sizes))
     summary = _streamed_summary(schedule) + (f" against the block plan's "
                                              f"{plan.planned_ms:.2f} ms a pair")
     if schedule.pair_ms >= plan.planned_ms:
