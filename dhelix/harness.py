@@ -110,6 +110,9 @@ def _rank_main(fn, rank, world_size, port, caller_env, env, args, kwargs, result
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    from dhelix.gloo_device import share_gloo_device_if_asked
+
+    share_gloo_device_if_asked()  # before any group exists (DHELIX_GLOO_SHARED_DEVICE=1)
     try:
         value = fn(RankContext(rank, world_size), *args, **kwargs)
         results.put((rank, "ok", pickle.dumps(value)))

@@ -35,13 +35,16 @@ def _quiet_known_warnings() -> None:
 def install_plugin() -> None:
     """Install the CPU shims (on a CPU-only machine), the sequence-parallel torch norm (on
     every machine where the local spec's norm is torch's) and the training hooks in this
-    process (idempotent; `dhelix train` also parses its arguments with them before
-    launching)."""
+    process, and share one gloo device among its groups where asked
+    (`dhelix.gloo_device`) (idempotent; `dhelix train` also parses its arguments with them
+    before launching)."""
+    from dhelix.gloo_device import share_gloo_device_if_asked
     from megatron_patches.norms import install_sequence_parallel_torch_norm
     from megatron_patches.training_hooks import install_training_hooks
     from megatron_patches.training_shims import apply_training_cpu_shims
 
     _quiet_known_warnings()
+    share_gloo_device_if_asked()
     apply_training_cpu_shims()
     install_sequence_parallel_torch_norm()
     install_training_hooks()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from dhelix.gloo_device import share_gloo_device_if_asked
 from megatron_patches.cpu_shims import apply_cpu_shims
 from megatron_patches.stage_rng import seed_pipeline_stage
 
@@ -92,7 +93,9 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
     """Join the torchrun-style group (RANK, WORLD_SIZE, MASTER_ADDR/PORT) if not joined yet,
     and return this process's `Job`.
 
-    Installs the CPU shims first on a CPU-only torch, and picks this rank's GPU on CUDA.
+    Installs the CPU shims first on a CPU-only torch (and one gloo device for every group
+    with `DHELIX_GLOO_SHARED_DEVICE=1`, `dhelix.gloo_device`), and picks this rank's GPU on
+    CUDA.
     `timeout_s` bounds every collective and store wait (the process-group timeout). Joins
     exactly as `init_process_group(init_method="env://")` does.
 
@@ -104,6 +107,7 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
     (`destroy_process_group`).
     """
     apply_cpu_shims()
+    share_gloo_device_if_asked()
     if dist.is_initialized():
         return _job_of_default_group()
     backend = backend or default_backend()

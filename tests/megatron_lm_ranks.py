@@ -5,6 +5,7 @@ records what the real training loop did."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -139,6 +140,17 @@ def compare_runs(stock: list, dhelix: list) -> dict:
     return {"steps": (len(stock), len(dhelix)), "rows": rows}
 
 
+def many_runs_env() -> dict:
+    """For a launch that builds many `pretrain()` runs: every gloo group of a rank on one
+    shared transport device (`dhelix.gloo_device`; the caller's DHELIX_GLOO_SHARED_DEVICE
+    wins, for A/B runs). Each run's 25-60 Megatron groups, mostly idle, would otherwise
+    each keep a loop thread waking every 10 ms; one device costs ~30% more per small
+    collective (4 ranks on 2 cores), so it pays only where idle groups dominate, as here
+    (the 4-rank matrices launch: 121-123 s -> 73-82 s wall on the 2-core machine), and
+    the other launches keep torch's one device per group."""
+    return {"DHELIX_GLOO_SHARED_DEVICE": os.environ.get("DHELIX_GLOO_SHARED_DEVICE", "1")}
+
+
 def parity_env(device: str) -> dict:
     """The ranks' environment for `parity_body` on `device` ("cpu": CUDA hidden, so a GPU
     machine runs the CPU path too; "cuda": the visible GPUs, one per rank: `run_on_ranks`
@@ -146,7 +158,7 @@ def parity_env(device: str) -> dict:
     rank r runs on cuda:r (the plugin refuses fewer GPUs than ranks); Megatron's
     `validate_args` demands CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 before Blackwell)."""
     if device == "cpu":
-        return {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        return {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **many_runs_env()}
     return {"OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_patches.step_harness import close_all_runs
-from tests.megatron_lm_ranks import SCRIPT, TINY, _global_loss
+from tests.megatron_lm_ranks import SCRIPT, TINY, _global_loss, many_runs_env
 from tests.plugin_parity_ranks import (compare_steps, counted_embedding_waits, engine_record,
                                       eval_loss, observed_step)
 
@@ -414,7 +414,7 @@ def four_rank_report() -> dict:
             with tempfile.TemporaryDirectory(prefix="dhelix-pipeline-matrices-") as workdir:
                 _FOUR_RANK["report"] = run_on_ranks(
                     pipeline_matrices, 4, workdir, LAYOUT, FOLDED, PIPELINE, timeout_s=600,
-                    env={"OMP_NUM_THREADS": "1"})[0]
+                    env={"OMP_NUM_THREADS": "1", **many_runs_env()})[0]
         except Exception as exc:
             _FOUR_RANK["error"] = exc
             raise

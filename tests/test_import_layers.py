@@ -43,7 +43,7 @@ LAYERS = (
               "dhelix.argument_error", "dhelix.dhelix_arguments", "dhelix.presets",
               "dhelix.folding", "dhelix.rank_errors",
               "dhelix.divergence", "dhelix.cluster", "dhelix.devices", "dhelix.options",
-              "dhelix.c10d_ops", "dhelix.arriving", "dhelix.waiter_thread",
+              "dhelix.c10d_ops", "dhelix.arriving", "dhelix.waiter_thread", "dhelix.gloo_device",
               "profiler.profile_file", "profiler.fingerprint", "planner.plan"),)),
     Layer("engine: megatron-core adapters and shims, process groups, checkpoints, data", ((
         "megatron_patches", "dhelix.parallel", "dhelix.harness", "dhelix.stall",

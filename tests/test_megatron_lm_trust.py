@@ -18,6 +18,7 @@ ranks running Megatron-LM's `pretrain()`:
 import pytest
 
 from dhelix.harness import run_on_ranks
+from tests.megatron_lm_ranks import many_runs_env
 from tests.megatron_lm_trust_ranks import checkpoint_guard_body
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
@@ -30,7 +31,7 @@ DIGEST = "does not match its saved SHA-256 (its bytes changed since the save)"
 def guard(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("guard")
     result = run_on_ranks(checkpoint_guard_body, 2, str(workdir), PP2, timeout_s=900,
-                          env={"OMP_NUM_THREADS": "1"})[0]
+                          env={"OMP_NUM_THREADS": "1", **many_runs_env()})[0]
     for name, outcome in result["cases"].items():
         print(f"{name}: {outcome}")
     return workdir, result

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dhelix.gloo_device import own_gloo_devices
 from dhelix.parallel import Job
 from dhelix.schedules.transfer_groups import TransferGroups
 
@@ -118,7 +119,8 @@ def clone_group(group, tags: list, job: Job, pool: LanePool | None = None) -> li
             key = (ranks, *tag)
             clone = pool.groups.get(key) if pool is not None else None
             if clone is None:
-                clone = dist.new_group(list(ranks), timeout=job.timeout)
+                with own_gloo_devices():
+                    clone = dist.new_group(list(ranks), timeout=job.timeout)
                 if pool is not None:
                     pool.groups[key] = clone
             if ranks == mine:
