@@ -1,8 +1,8 @@
 """`dhelix.gloo_device`: with DHELIX_GLOO_SHARED_DEVICE=1 every gloo group of a process
 shares one transport device, so one `gloo_tcp_loop` thread serves them all (but for a group
 made inside `own_gloo_devices()`, as the lanes are), and their collectives still give the
-right sums; without it torch's one device (one loop thread) per group is left alone. Each case runs in a fresh interpreter (the patch is process-wide),
-on a world of one rank."""
+right sums; without it torch's one device (one loop thread) per group is left alone. Each
+case runs in a fresh interpreter (the patch is process-wide), on a world of one rank."""
 
 import json
 import os
