@@ -9,12 +9,15 @@ the autograd graph is stock's. The partial [b, s, h] is then copied, in that lay
 the storage of the embedding output (which the graph does not save), all-reduced there
 asynchronously on the same TP group and, once landed, transposed in place to [s, b, h]
 (through a transient copy): while it travels the rank holds the output's bytes only, as
-stock does. The layer input is handed on as a `dhelix.arriving.Finishing`: the layer
+stock does. On a TP group of two ranks every element's sum is one addition, the same in
+any layout, so there the partial is copied transposed, straight into [s, b, h], and
+all-reduced in place: nothing is left to do once it lands (no transient copy of the
+output where the other strand computes). The layer input is handed on as a `dhelix.arriving.Finishing`: the layer
 execution that reads it holds it pending and its first reader waits (`dhelix.ops.runner`),
 so the strand executor runs the other strand while it travels.
 
-Exact (the all-reduce sums the same tensor in the same layout as stock's, and the layout
-change is a copy) where everything the embedding does after its all-reduce is that layout
+Exact (the all-reduce sums the same tensor in the same layout as stock's, or on two ranks
+one addition an element, and the layout change is a copy) where everything the embedding does after its all-reduce is that layout
 change: `embedding_deferrable` checks it (no sequence parallelism, position or token-type
 embedding, MuP scaling, fp32 residual, embedding dropout).
 
@@ -96,8 +99,18 @@ def embedding_forward(preprocess):
                            f"{tuple(partial.shape)} does not transpose to its output "
                            f"{value.dtype} {tuple(value.shape)}; run with "
                            "--dhelix-no-embedding-overlap")
+    if dist.get_world_size(group) == 2:
+        # two ranks: every element's sum is one addition, the same in any layout, so the
+        # partial moves into the output's storage transposed and nothing is left to do once
+        # it lands (no transient copy beside the strand that then computes)
+        with torch.no_grad():
+            value.copy_(partial.transpose(0, 1))
+        del partial, record[:]
+        return pre, Finishing(value, dist.all_reduce(value, group=group, async_op=True),
+                              _nothing_left)
     # the partial moves into the output's storage in its own [b, s, h] layout, so only the
-    # output's bytes are held while the all-reduce travels (stock's layout: the same sums)
+    # output's bytes are held while the all-reduce travels (stock's layout: the same sums,
+    # added in the same order on more than two ranks)
     in_flight = value.view(partial.shape)
     with torch.no_grad():
         in_flight.copy_(partial)
@@ -109,3 +122,7 @@ def embedding_forward(preprocess):
             value.copy_(in_flight.clone().transpose(0, 1))
 
     return pre, Finishing(value, work, finish)
+
+
+def _nothing_left() -> None:
+    """`Finishing`'s finish where the all-reduce left the value in place."""

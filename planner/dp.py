@@ -102,7 +102,8 @@ def dp_search(fwd: OpDAG, bwd: OpDAG, costs: CostModel, max_orders: int = 64,
         for b_order in bwd_orders:
             table = block_cost_table(f_order, b_order, costs, f_masks, op_masks(b_order, ops_b))
             if memory is not None:
-                peak = block_peak_table(f_order, b_order, memory.fwd, memory.bwd)
+                peak = block_peak_table(f_order, b_order, memory.fwd, memory.bwd,
+                                        memory.input_bytes)
                 table[peak > memory.budget_bytes] = np.inf
             ms, blocks = pair_orders(table, f_order, b_order)
             if not np.isfinite(ms):

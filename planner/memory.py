@@ -70,7 +70,10 @@ class MemoryBound:
     pairs above the same layers' activations (0: not known); `pair_start_bytes`: what a
     layer pair holds at its start beyond those activations, which comes off
     `outside_bytes` (module docstring); `margin_bytes`: the allowance above the larger of
-    the reference and what is left of `outside_bytes`."""
+    the reference and what is left of `outside_bytes`; `input_bytes`: the forward's input
+    where the pair's start does not hold it (without pipelining an SI block's first layer
+    pair reads the next micro-batch's embedding output, made in the block), counted from
+    the forward's first operator on (`block_peak_table`)."""
 
     fwd: OpMemory
     bwd: OpMemory
@@ -78,17 +81,23 @@ class MemoryBound:
     margin_bytes: float
     outside_bytes: float = 0.0
     pair_start_bytes: float = 0.0
+    input_bytes: float = 0.0
+    # the sequential plan's peak with its forward's input made before the forward (-inf:
+    # not given): the budget never goes below it, so that plan always fits
+    sequential_bytes: float = float("-inf")
 
     @property
     def budget_bytes(self) -> float:
         outside = max(0.0, self.outside_bytes - self.pair_start_bytes)
-        return max(self.reference_bytes, outside) + self.margin_bytes
+        return max(max(self.reference_bytes, outside) + self.margin_bytes,
+                   self.sequential_bytes)
 
     def summary(self) -> dict:
         """What a plan records of the bound (MiB)."""
         return {"reference_mib": round(self.reference_bytes / MIB, 3),
                 "outside_mib": round(self.outside_bytes / MIB, 3),
                 "pair_start_mib": round(self.pair_start_bytes / MIB, 3),
+                "input_mib": round(self.input_bytes / MIB, 3),
                 "margin_mib": round(self.margin_bytes / MIB, 3),
                 "budget_mib": round(self.budget_bytes / MIB, 3)}
 
@@ -108,24 +117,31 @@ def layer_activation_bytes(fwd_order, fwd: OpMemory) -> float:
     return float(max(0.0, live_and_peak(fwd_order, fwd)[0][-1]))
 
 
-def sequential_peak(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory) -> float:
-    """Peak above the pair's start of the whole backward, then the whole forward."""
+def sequential_peak(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory,
+                    input_bytes: float = 0.0) -> float:
+    """Peak above the pair's start of the whole backward, then the whole forward (with its
+    input, `input_bytes`, made before it: Megatron's order)."""
     live_b, peak_b = live_and_peak(bwd_order, bwd)
     _, peak_f = live_and_peak(fwd_order, fwd)
-    return float(max(0.0, peak_b.max(), live_b[-1] + peak_f.max()))
+    return float(max(0.0, peak_b.max(), live_b[-1] + input_bytes + peak_f.max()))
 
 
 def make_bound(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory,
                margin_bytes: float, outside_bytes: float = 0.0,
-               pair_start_bytes: float = 0.0) -> MemoryBound:
+               pair_start_bytes: float = 0.0, input_bytes: float = 0.0) -> MemoryBound:
     """The bound for these measurements, the reference being the sequential plan over the
-    program orders `fwd_order` / `bwd_order`, or `outside_bytes` less `pair_start_bytes`
-    where larger."""
-    if margin_bytes < 0 or outside_bytes < 0 or pair_start_bytes < 0:
-        raise ValueError(f"memory margin, outside peak and pair start must be >= 0, got "
-                         f"{margin_bytes}, {outside_bytes} and {pair_start_bytes}")
+    program orders `fwd_order` / `bwd_order` (Megatron's peak at a backward's start), or
+    `outside_bytes` less `pair_start_bytes` where larger; blocks count `input_bytes` from
+    the forward's first operator on, and the budget holds at least the sequential plan with
+    it (`MemoryBound.sequential_bytes`)."""
+    if min(margin_bytes, outside_bytes, pair_start_bytes, input_bytes) < 0:
+        raise ValueError(f"memory margin, outside peak, pair start and input must be >= 0, "
+                         f"got {margin_bytes}, {outside_bytes}, {pair_start_bytes} and "
+                         f"{input_bytes}")
     return MemoryBound(fwd, bwd, sequential_peak(fwd_order, bwd_order, fwd, bwd),
-                       float(margin_bytes), float(outside_bytes), float(pair_start_bytes))
+                       float(margin_bytes), float(outside_bytes), float(pair_start_bytes),
+                       float(input_bytes),
+                       sequential_peak(fwd_order, bwd_order, fwd, bwd, input_bytes))
 
 
 def _range_max(values: np.ndarray, closed: bool) -> np.ndarray:
@@ -142,11 +158,16 @@ def _range_max(values: np.ndarray, closed: bool) -> np.ndarray:
     return out
 
 
-def block_peak_table(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory) -> np.ndarray:
+def block_peak_table(fwd_order, bwd_order, fwd: OpMemory, bwd: OpMemory,
+                     input_bytes: float = 0.0) -> np.ndarray:
     """`M[i, j, a, b]`: the most a block cutting F[a:i] and B[b:j] can hold above the pair's
     start (module docstring), over every interleaving of its two segments; same layout as
-    `planner.cosched.block_cost_table` (entries with i < a or j < b are meaningless)."""
+    `planner.cosched.block_cost_table` (entries with i < a or j < b are meaningless).
+    `input_bytes` (`MemoryBound.input_bytes`) is held from the forward's first operator
+    on."""
     live_f, peak_f = live_and_peak(fwd_order, fwd)
+    live_f[1:] += input_bytes
+    peak_f[1:] += input_bytes
     live_b, peak_b = live_and_peak(bwd_order, bwd)
     rl_f, rp_f = _range_max(live_f, True), _range_max(peak_f, False)
     rl_b, rp_b = _range_max(live_b, True), _range_max(peak_b, False)
@@ -169,10 +190,10 @@ def seam_peak(fwd_order, bwd_order, head: int, tail_ops: int, fwd: OpMemory,
     return float(live_f[-1] + max(head_l + tail_p, head_p + tail_l))
 
 
-def pairing_peak(pairing, fwd: OpMemory, bwd: OpMemory) -> float:
+def pairing_peak(pairing, fwd: OpMemory, bwd: OpMemory, input_bytes: float = 0.0) -> float:
     """The model's peak above the pair's start of a pairing (`planner.blocks.Pairing`):
     the largest block bound of `block_peak_table` along its blocks."""
-    table = block_peak_table(pairing.fwd_order, pairing.bwd_order, fwd, bwd)
+    table = block_peak_table(pairing.fwd_order, pairing.bwd_order, fwd, bwd, input_bytes)
     i = j = 0
     worst = 0.0
     for block in pairing.blocks:
@@ -180,6 +201,29 @@ def pairing_peak(pairing, fwd: OpMemory, bwd: OpMemory) -> float:
         i, j = i + len(block.fwd), j + len(block.bwd)
         worst = max(worst, float(table[i, j, a, b]))
     return worst
+
+
+def early_input_block(pairing, fwd: OpMemory, bwd: OpMemory, budget_bytes: float,
+                      input_bytes: float) -> int:
+    """The earliest block of `pairing` before which the forward's input (`input_bytes`, a
+    tensor the pair's start does not hold: the next micro-batch's embedding output while
+    its all-reduce travels) may be allocated with every block up to the first one with
+    forward operators still within `budget_bytes` (each block's bound of
+    `block_peak_table` plus the input). That first block is always allowed: there the
+    forward reads its input, as with no early start. So a block that cannot hold the input
+    beside the backward strand keeps it out of every block before it too."""
+    table = block_peak_table(pairing.fwd_order, pairing.bwd_order, fwd, bwd)
+    first = next((k for k, block in enumerate(pairing.blocks) if block.fwd),
+                 len(pairing.blocks))
+    bounds, i, j = [], 0, 0
+    for block in pairing.blocks[:first]:
+        a, b = i, j
+        i, j = i + len(block.fwd), j + len(block.bwd)
+        bounds.append(float(table[i, j, a, b]))
+    start = first
+    while start > 0 and bounds[start - 1] + input_bytes <= budget_bytes:
+        start -= 1
+    return start
 
 
 def frees_as_measured(dag, order: Sequence[str]) -> bool:

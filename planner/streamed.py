@@ -75,7 +75,10 @@ class StreamedSchedule:
     a memory bound: the sequence's peak above the SI block's start (`peak_bytes`), the
     budget, whether the peak is within it (None: no bound), and the fastest candidate's time
     and peak had there been no bound (`unbounded_ms`, `unbounded_peak_bytes`: what the bound
-    costs, and what a margin would have to allow to avoid it)."""
+    costs, and what a margin would have to allow to avoid it), and `input_step`: the earliest
+    entry of the sequence before which the forward's input (`MemoryBound.input_bytes`) may
+    be made with every entry up to the first forward one within the budget
+    (`early_input_step`; 0 without a bound)."""
 
     fwd_order: tuple
     bwd_order: tuple
@@ -88,6 +91,7 @@ class StreamedSchedule:
     budget_bytes: float | None = None
     unbounded_ms: float | None = None
     unbounded_peak_bytes: float | None = None
+    input_step: int = 0
 
     @property
     def within_budget(self) -> bool | None:
@@ -191,12 +195,17 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
         delta, running_extra = model.memory_tables(memory)
         # what one layer pair leaves behind (module docstring)
         pair_drift = sum(delta[d][o] for d in (FWD, BWD) for o in orders[d])
+        fwd_input = memory.input_bytes
 
     def during(direction, op):
         """Live bytes while `op` runs next, from `live`, above the start of the latest
-        layer pair both strands have finished."""
+        layer pair both strands have finished; in the first, with the forward's input from
+        its first operator on (`MemoryBound.input_bytes`; later pairs start with it)."""
         finished = min(position[FWD] // size[FWD], position[BWD] // size[BWD])
-        return live - finished * pair_drift + running_extra[direction][op]
+        held = live - finished * pair_drift + running_extra[direction][op]
+        if finished == 0 and (position[FWD] > 0 or direction == FWD):
+            held += fwd_input
+        return held
 
     def layer_started(direction, pair):
         """The strand's previous layer has ended (every op and collective done) by then."""
@@ -275,6 +284,24 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
         position[direction] += 1
         head[direction] = head_of(direction)
     return max(t, last_end), tuple(sequence), peak
+
+
+def early_input_step(sequence: Sequence, memory: MemoryBound) -> int:
+    """The earliest entry of `sequence` (`StreamedStep`s) before which the forward's input
+    (`memory.input_bytes`) may be made with every entry up to the first forward one still
+    within `memory`'s budget (each entry's live bytes above the SI block's start while it
+    runs, as `_simulate` counts them, plus the input); that first forward entry always
+    (there the forward reads it). The entries before it are the backward strand's."""
+    first = next((k for k, step in enumerate(sequence) if step.strand == FWD), len(sequence))
+    holds, live = [], 0.0
+    for step in sequence[:first]:
+        delta = float(memory.bwd.delta[step.op])
+        holds.append(live + max(float(memory.bwd.transient[step.op]), 0.0, delta))
+        live += delta
+    start = first
+    while start > 0 and holds[start - 1] + memory.input_bytes <= memory.budget_bytes:
+        start -= 1
+    return start
 
 
 def _compute_end(start: float, work: float, running: list) -> float:
@@ -390,7 +417,9 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
                             searched=searched, peak_bytes=best.peak if bounded else None,
                             budget_bytes=memory.budget_bytes if bounded else None,
                             unbounded_ms=fastest.free_ms if bounded else None,
-                            unbounded_peak_bytes=fastest.free_peak if bounded else None)
+                            unbounded_peak_bytes=fastest.free_peak if bounded else None,
+                            input_step=(early_input_step(_steps(best.sequence), memory)
+                                        if bounded else 0))
 
 
 class StreamedPlanner:

@@ -159,9 +159,14 @@ def _plan_costs(run) -> dict:
         # all-reduce (the same [s, b, h] tensor on the same group) off the SI block, at most
         # the time the link idles in the block (the planned layer pairs less their
         # collectives' solo times): where the link is busy all along, the all-reduce only
-        # moves, it saves nothing
+        # moves, it saves nothing. Started at a later block (`early_input_block`, the memory
+        # bound's), it misses the share of that idle time in the blocks before
         if comm_f:
             idle = len(setup.runner.bound_layers) * max(0.0, planned - layer_comm_ms)
+            start = setup.runner.early_input_block or 0
+            if start and streamed is None and planned > 0:
+                before = sum(block.predicted_ms for block in plan.blocks[:start])
+                idle *= max(0.0, 1.0 - before / (len(setup.runner.bound_layers) * planned))
             out["embedding_reduces_hidden_per_step"] = microbatches - 1
             out["embedding_reduce_saving_ms"] = min(setup.costs.solo_f[comm_f[0]], idle)
     if seam is not None:

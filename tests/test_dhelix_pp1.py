@@ -59,6 +59,8 @@ CASES_TP2 = {
     "tp2_sp_llama_dp_streamed": ParityCase(TP2 + SP + LLAMA, dhelix("dp", *STREAMED)),
     # without SP and with RoPE: the embedding's all-reduce travels asynchronously
     "tp2_llama_dp": ParityCase(TP2 + LLAMA, dhelix("dp")),
+    # ... made by the streamed sequence's first entry (autograd on, as for a block's)
+    "tp2_llama_dp_streamed": ParityCase(TP2 + LLAMA, dhelix("dp", *FORCED_STREAMED)),
     "tp2_llama_dp_no_embedding_overlap": ParityCase(
         TP2 + LLAMA, dhelix("dp", "--dhelix-no-embedding-overlap")),
     # the tiny model: micro-batch 2 -> halves of 1
@@ -184,11 +186,11 @@ def test_si_blocks_ran_streamed_where_the_plan_line_says(tp2, tp4):
                     if "SI blocks run streamed" in entry["describe"] else 0)
         assert entry["streamed_si_blocks"] == expected, (name, entry["describe"])
     streamed = {name for name, entry in trained.items() if entry["streamed_si_blocks"]}
-    assert {"tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"} <= streamed
+    forced = {"tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed", "tp2_llama_dp_streamed"}
+    assert forced <= streamed
     considered = {"tp2_dp", "tp2_sp_llama_dp", "tp4_sp_dp", "tp2_llama_dp",  # the default's
                   "tp2_llama_dp_no_embedding_overlap"}                    # own choice
-    assert streamed <= considered | {"tp2_sp_llama_dp_streamed", "tp4_sp_dp_streamed"}, \
-        streamed
+    assert streamed <= considered | forced, streamed
     for name in considered:  # weighed, whichever way it went
         assert "streamed SI blocks" in trained[name]["describe"], name
     for name in streamed:
@@ -206,7 +208,7 @@ def test_embedding_all_reduce_travels_where_that_is_exact(tp2, tp4):
         entry = {**tp2, **tp4}[name]
         return entry["deferred_reduces"], len(entry["rows"]) * entry["num_microbatches"]
 
-    for name in ("tp2_llama_dp", "tp4_round_robin"):  # RoPE, no SP
+    for name in ("tp2_llama_dp", "tp2_llama_dp_streamed", "tp4_round_robin"):  # RoPE, no SP
         counts, n = deferred(name)
         assert counts == {"embedding": n}, (name, counts)
     for name in ("tp2_dp", "tp2_round_robin",  # a learned position embedding

@@ -56,15 +56,19 @@ class _OutputReporter:
             self.on_output("bwd", self.ended["bwd"])
 
 
-def _starter(produced, blocks: Sequence[Block]):
+def _starter(produced, blocks: Sequence[Block], at: int | None = None):
     """`run_blocks`' `before_block` for an SI block whose forward input is a
-    `dhelix.arriving.Producing` (`produced`; None: nothing to start): starts it before the
-    first of `blocks` with forward operators, at the same block boundary on every rank, so the
-    next micro-batch's embedding output is not allocated while the backward-only blocks before
-    it run (the backward strand's first operators, where a layer pair's memory peaks)."""
+    `dhelix.arriving.Producing` (`produced`; None: nothing to start): starts it before block
+    `at` of `blocks`, or by default before the first with forward operators (never later),
+    at the same block boundary on every rank, so the next micro-batch's embedding output is
+    not allocated while the backward-only blocks before it run (the backward strand's first
+    operators, where a layer pair's memory peaks) unless the memory bound leaves room for
+    it there (`LayerRunner.early_input_block`)."""
     if produced is None:
         return None
     first = next((i for i, block in enumerate(blocks) if block.fwd), 0)
+    if at is not None:
+        first = min(first, at)
 
     def before_block(index: int) -> None:
         if index == first:
@@ -121,6 +125,14 @@ class LayerRunner:
     # block's size runs every SI block (`dhelix.runtime.streamed_executor`) in place of the
     # blocks and seams above; None: the blocks
     streamed: object = None
+    # Where an SI block's forward input is produced early (a `dhelix.arriving.Producing`
+    # whose all-reduce then travels beside the backward-only blocks: the deferred
+    # embedding), the block of the first layer pair's plan it starts before
+    # (`planner.memory.early_input_block`: the earliest whose rest, up to the first block
+    # with forward operators, holds it within the memory bound; 0: at the SI block's
+    # start); on the streamed path any value means the schedule's `input_step` (the same
+    # rule per entry); None: before the first block (entry) with forward operators
+    early_input_block: int | None = None
 
     def __post_init__(self):
         self.blocks = tuple(Block(tuple(b.fwd), tuple(b.bwd)) for b in self.blocks)
@@ -187,7 +199,8 @@ class LayerRunner:
         and the gradient of the first backward layer's output are handed over in `inputs`
         and `grads` (both emptied). The input may be a `dhelix.arriving.Producing` (the next
         micro-batch's embedding, not computed yet): it is started before the first block with
-        forward operators (at the start on the streamed path).
+        forward operators, or the earlier `early_input_block` (on the streamed path, the
+        entry: the first forward one or the schedule's `input_step`).
 
         With a `seam`, between two layer pairs the next pair's head blocks (forward only)
         run as one block, ended by a barrier, with this pair's tail blocks (backward only);
@@ -234,7 +247,8 @@ class LayerRunner:
                         if on_output is not None and index == count - 1 else None)
             run_blocks(fwd, bwd, blocks[start:end], barrier=self.block_barriers,
                        timeline=self.timeline, on_strand_end=reporter,
-                       before_block=_starter(produced, blocks[start:end]))
+                       before_block=_starter(produced, blocks[start:end],
+                                             self.early_input_block))
             produced = None
             x = ended.pop("fwd") if "fwd" in ended else fwd.end_forward()
             if unfinished is None:
@@ -249,8 +263,17 @@ class LayerRunner:
         layer's execution when the sequence reaches it; same ownership and result."""
         schedule = self.streamed.for_pairs(len(fwd_layers))
         outputs, grad_outputs, executions = [take_handed(inputs)], [take_handed(grads)], []
+        before_step = None
         if isinstance(outputs[0], Producing):
-            outputs[0].start()  # one operator sequence: no block boundary to start it at
+            produced = outputs[0]
+            at = next((k for k, step in enumerate(schedule.sequence) if step.strand == "fwd"),
+                      0)
+            if self.early_input_block is not None:  # the schedule's, within its bound
+                at = min(at, schedule.input_step)
+
+            def before_step(index: int) -> None:
+                if index == at:
+                    produced.start()
 
         def open_fwd(pair):
             execution = self.new_execution(fwd_layers[pair])
@@ -265,5 +288,5 @@ class LayerRunner:
 
         chains = {"fwd": StrandChain(open_fwd, lambda e: outputs.append(e.end_forward())),
                   "bwd": StrandChain(open_bwd, lambda e: grad_outputs.append(e.end_backward()))}
-        run_streamed(schedule.sequence, chains, self.timeline)
+        run_streamed(schedule.sequence, chains, self.timeline, before_step)
         return take_handed(outputs), executions, take_handed(grad_outputs)

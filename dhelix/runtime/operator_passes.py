@@ -36,8 +36,10 @@ With `defer_embedding_reduce`, where the model allows it exactly, the embedding'
 all-reduce is left in flight (`megatron_patches.deferred_reduce`): the layer input is then a
 `dhelix.arriving.Finishing`, held pending like a received tensor. An SI block
 back-propagates its backward's loss first (Megatron's blocking all-reduce of the output
-layer's input gradient included), then embeds its forward's micro-batch, so its backward
-strand can start while the embedding's all-reduce travels. The sequential pairing (the
+layer's input gradient included), then embeds its forward's micro-batch at the block the
+layer runner's `early_input_block` names (the earliest whose rest, up to the first block
+with forward operators, holds the output within the memory bound), so its backward strand
+computes while the embedding's all-reduce travels. The sequential pairing (the
 benchmark's reference rows) keeps it blocking, as Megatron does.
 Point-to-point: a received input or output gradient may come as a `dhelix.arriving.Arriving`
 (`accepts_arriving`): the layer execution holds it pending and its first reader waits, so an
@@ -152,8 +154,9 @@ class OperatorPasses:
         `dhelix.arriving.Producing`], RoPE table, a zero-argument function returning the
         embedding output's gradient edge once the input was produced). The RoPE table is
         computed now (from the layer input's shape only), the embedding when the layer
-        runner starts the input (`LayerRunner.run_paired`). Only for the first chunk's
-        forward (its input is the embedding's) without `defer_embedding_reduce`."""
+        runner starts the input (`LayerRunner.run_paired`); with `defer_embedding_reduce`
+        the product is the `Finishing` its all-reduce lands in. Only for the first chunk's
+        forward (its input is the embedding's)."""
         batch = work.batch
         tokens = batch["tokens"]
         config = self.parts.model.config
@@ -229,16 +232,18 @@ class OperatorPasses:
         the forward's embedding computed before the first block with forward operators
         (`_forward_head_produced`: not beside the backward-only blocks before it, where
         the backward strand holds the most) or, with `defer_embedding_reduce`, before the
-        layer pairs (its all-reduce left in flight beside them), then the forward's loss
-        part and the backward's embedding part.
+        earliest block whose rest holds its output within the memory bound (its all-reduce
+        left in flight beside the blocks from there: `LayerRunner.early_input_block`), then
+        the forward's loss part and the backward's embedding part.
         `produced(direction, tensor)` (the executor's, or None) gets the forward's output
         (not on the loss chunk) and the input gradient (not on the embedding chunk) as soon
         as its strand is done."""
         grads = self._backward_head(backward)
-        # produced at the first forward block; with `defer_embedding_reduce` at once, so the
-        # all-reduce travels beside the backward-only blocks too (+ one layer input of memory
-        # while the backward strand starts: docs/runtime.md, "The embedding's all-reduce")
-        embedding_later = forward.inp is None and not self.defer_embedding_reduce
+        # produced at the first forward block; with `defer_embedding_reduce` at the runner's
+        # `early_input_block`, so the all-reduce travels beside backward-only blocks too
+        # where their memory leaves room for its buffer (docs/runtime.md, "The embedding's
+        # all-reduce")
+        embedding_later = forward.inp is None
         head = self._forward_head_produced if embedding_later else self._forward_head
         inputs, rotary, embedding = head(forward)
         on_output = None

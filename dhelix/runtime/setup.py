@@ -62,7 +62,8 @@ from planner.baselines import staggered_pairing
 from planner.blocks import Seam, check_pairing, layer_seam
 from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
-from planner.memory import MIB, layer_activation_bytes, make_bound, seam_peak
+from planner.memory import (MIB, early_input_block, layer_activation_bytes, make_bound,
+                            seam_peak)
 from planner.pipeline_transfers import si_block_ms
 from planner.streamed import StreamedPlanner
 from planner.plan import PlanMismatch, load_checked_plan
@@ -236,17 +237,24 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
             mem_f = memory[id(fwd_programs)][0]
             mem_b = memory[id(bwd_programs)][1]
             margin = _memory_margin(options, count, fwd, mem_f)
+            embedded = (0.0 if run.parallel.pipelined
+                        else boundary_bytes(bound[0].description))  # the next embedding
             bound_memory = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f,
-                                      mem_b, margin)
+                                      mem_b, margin, input_bytes=embedded)
         plan, source, costs = _resolve_plan(run, fwd, bwd, bound_memory)
         pair_plans[(fwd_programs, bwd_programs)] = plan
         sources.append(f"{_kind_name(fwd_programs)} fwd x {_kind_name(bwd_programs)} bwd: "
                        f"{source}")
         if first_plan is None:
             first_plan, first_costs = plan, costs
+    # a deferred embedding starts with the SI block here (the first pair's plan is not
+    # checked against its buffer: `_early_embedding` does that for a stack of one kind)
+    early = (0 if options.defers_embedding_reduce and parts.embedding_reduce_deferrable
+             else None)
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(first_plan.fwd_order),
                          bwd_order=tuple(first_plan.bwd_order), blocks=tuple(first_plan.blocks),
-                         block_barriers=options.block_barriers, pair_plans=pair_plans)
+                         block_barriers=options.block_barriers, pair_plans=pair_plans,
+                         early_input_block=early)
     pipelined = run.parallel.pipelined
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
                             OperatorPasses(parts, runner, loss_at_forward=pipelined,
@@ -298,22 +306,27 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     micro-batches' live layers number L as at every layer pair's start; where the SI
     block pairs one layer, less the two boundary tensors its pair starts with besides (the
     embedding's output and the loss part's gradient, `pair_start_bytes`; with more layers
-    the step's measured peak is the plan's less the loss part's reading, `planner.memory`)."""
+    the step's measured peak is the plan's less the loss part's reading, `planner.memory`).
+    Without pipelining the first layer pair's forward also reads an input its start does
+    not hold, the next micro-batch's embedding output, made in the SI block
+    (`input_bytes`)."""
     options = run.options
     if not options.memory_bound or options.pairer != "dp":
         return None
     rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
     device = model_device(parts.model)
     mem_f, mem_b = measure_op_memory(bound_layers[0], device, rope, _stage_group())
-    outside = pair_start = 0.0
+    outside = pair_start = embedded = 0.0
+    desc = bound_layers[0].description
     if not run.parallel.pipelined and parts.model.post_process:
-        desc = bound_layers[0].description
         outside = measure_loss_part_peak(parts, desc, device, rope, _stage_group())
         if len(bound_layers) == 1:  # the embedding's output, the loss part's gradient
             pair_start = 2 * boundary_bytes(desc)
+    if not run.parallel.pipelined and parts.model.pre_process:
+        embedded = boundary_bytes(desc)  # the first pair's input: the next embedding output
     margin = _memory_margin(options, len(bound_layers), fwd, mem_f, outside)
     return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin,
-                      outside, pair_start)
+                      outside, pair_start, embedded)
 
 
 def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
@@ -510,6 +523,30 @@ def plan_seam(options: DHelixOptions, plan, dags, memory=None) -> Seam | None:
     return seam
 
 
+def _early_embedding(run: DHelixRun, parts: GPTParts, plan, memory, streamed
+                     ) -> tuple[int | None, str]:
+    """(the runner's `early_input_block`, what the plan line says of it): where the
+    embedding's all-reduce is deferred, the block an SI block embeds its forward's
+    micro-batch before. With a memory bound, the earliest from which the output
+    (`memory.input_bytes`) fits beside the backward-only blocks left before the first block
+    with forward operators (`planner.memory.early_input_block`; streamed, the schedule's
+    `input_step`, the same per entry); without one, the SI block's start. (None, "") where
+    nothing is deferred."""
+    if not (run.options.defers_embedding_reduce and parts.embedding_reduce_deferrable):
+        return None, ""
+    if memory is None:
+        return 0, ""
+    if streamed is not None:
+        schedule = streamed.for_pairs(max(si_block_pairs(parts)))
+        return 0, (f"the next micro-batch's embedding starts before entry "
+                   f"{schedule.input_step + 1} of {len(schedule.sequence)} (its output within "
+                   f"the memory bound)")
+    block = early_input_block(plan, memory.fwd, memory.bwd, memory.budget_bytes,
+                              memory.input_bytes)
+    return block, (f"the next micro-batch's embedding starts before block {block + 1} of "
+                   f"{len(plan.blocks)} (its output within the memory bound)")
+
+
 def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | None = None
                  ) -> DHelixSetup:
     """Collective over the world (creates the lane process groups, with `job`'s timeout,
@@ -565,11 +602,14 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     if transfer_ms is not None and streamed is None:
         plan, verdict = choose_for_transfers(parts, dags, plan, costs, memory, transfer_ms)
         source += "; " + verdict
+    early, verdict = _early_embedding(run, parts, plan, memory, streamed)
+    if verdict:
+        source += "; " + verdict
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
                          block_barriers=options.block_barriers,
                          seam=None if streamed else plan_seam(options, plan, dags, memory),
-                         streamed=streamed)
+                         streamed=streamed, early_input_block=early)
     engine = ScheduleEngine(build_w_schedule if pipelined else build_si_schedule,
                             OperatorPasses(parts, runner, loss_at_forward=pipelined,
                                            defer_embedding_reduce=(

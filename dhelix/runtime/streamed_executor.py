@@ -66,13 +66,19 @@ class StrandChain:
             self._closed = True
 
 
-def run_streamed(sequence: Sequence, chains: dict, timeline=None) -> None:
+def run_streamed(sequence: Sequence, chains: dict, timeline=None,
+                 before_step: Callable[[int], None] | None = None) -> None:
     """Run `sequence` (`planner.streamed.StreamedStep`s) on `chains` ('fwd' and 'bwd' ->
     `StrandChain`), then end both chains' last layers. `timeline` (a
     `dhelix.runtime.timeline.Timeline`) records what the compute thread did; None records
-    nothing."""
+    nothing. `before_step(k)` (optional) is called before entry k runs, on every rank at
+    the same entry, in the caller's autograd mode (it may build a graph: the embedding)."""
+    caller_grad = torch.is_grad_enabled()
     with torch.no_grad():  # what every operator runs under (LayerExecution.run), set once
-        for step in sequence:
+        for index, step in enumerate(sequence):
+            if before_step is not None:
+                with torch.set_grad_enabled(caller_grad):
+                    before_step(index)
             execution = chains[step.strand].at(step.pair)
             program = execution.programs.program(execution.phase)
             if program[step.op].kind == "comm":

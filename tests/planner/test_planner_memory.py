@@ -11,12 +11,13 @@ from tests.planner.planner_reference import random_dag, random_profile
 
 from dhelix.dag import OpDAG, OpNode, topological_sort
 from planner.baselines import sequential_pairing
-from planner.blocks import pairing_violation
+from planner.blocks import Block, Pairing, pairing_violation
 from planner.costs import build_cost_model
 from planner.dp import dp_search
 from planner.memory import (
     OpMemory,
     block_peak_table,
+    early_input_block,
     frees_as_measured,
     layer_activation_bytes,
     live_and_peak,
@@ -206,3 +207,54 @@ def test_layer_activation_is_what_the_forward_leaves_live():
     assert layer_activation_bytes(order[:1], memory) == 3 * MIB
     # a forward that frees more than it keeps leaves nothing (never a negative margin)
     assert layer_activation_bytes(("c",), memory) == 0
+
+
+def test_the_early_input_waits_for_the_first_block_with_room_beside_the_backward():
+    """`early_input_block`: scanning back from the first block with forward operators, the
+    input goes in front of each backward-only block whose bound plus the input fits the
+    budget, and stops at the first that does not (the blocks before it hold more)."""
+    ops = ("b1", "b2", "b3")
+    bwd = OpMemory(delta={"b1": -2 * MIB, "b2": -3 * MIB, "b3": -1 * MIB},
+                   transient={"b1": 4 * MIB, "b2": 1 * MIB, "b3": 1 * MIB})
+    fwd = OpMemory(delta={"f1": 2 * MIB}, transient={"f1": 2 * MIB})
+    blocks = (Block(bwd=("b1",)), Block(bwd=("b2",)), Block(fwd=("f1",), bwd=("b3",)))
+    pairing = Pairing(("f1",), ops, blocks)
+    # the backward-only blocks' bounds: b1 4 MiB above the start, b2 -2 + 1 = -1 MiB
+    table = block_peak_table(("f1",), ops, fwd, bwd)
+    assert (table[0, 1, 0, 0], table[0, 2, 0, 1]) == (4 * MIB, -1 * MIB)
+    assert early_input_block(pairing, fwd, bwd, 6 * MIB, 2 * MIB) == 0   # 4 + 2 fits
+    assert early_input_block(pairing, fwd, bwd, 5 * MIB, 2 * MIB) == 1   # 4 + 2 does not
+    assert early_input_block(pairing, fwd, bwd, 0.5 * MIB, 2 * MIB) == 2  # not even -1 + 2
+    # a pairing whose first block has forward operators: nothing to start earlier
+    paired_first = Pairing(("f1",), ops, (Block(fwd=("f1",), bwd=("b1",)),
+                                          Block(bwd=("b2", "b3"))))
+    assert early_input_block(paired_first, fwd, bwd, 100 * MIB, 0) == 0
+
+
+def test_the_first_pairs_input_counts_from_the_forwards_first_operator(overlapping_layer):
+    """`input_bytes` (the next micro-batch's embedding output, made in the SI block) is held
+    from the forward's first operator on: the fast plan that fits a margin of 8 MiB without
+    it (peak 10 MiB) holds 12 with 2 MiB of input and is rejected; the budget never drops
+    below the sequential plan with its input made before its forward, as Megatron does."""
+    fwd, bwd, costs, mem_f, mem_b = overlapping_layer
+    f_order, b_order = topological_sort(fwd), topological_sort(bwd)
+    bound = make_bound(f_order, b_order, mem_f, mem_b, 8 * MIB, input_bytes=2 * MIB)
+    assert bound.reference_bytes == 2 * MIB and bound.budget_bytes == 10 * MIB
+    assert bound.summary()["input_mib"] == 2.0
+    table = block_peak_table(f_order, b_order, mem_f, mem_b, 2 * MIB)
+    assert table[1, 0, 0, 0] == 10 * MIB  # the forward GEMM's 8 MiB and the input
+    assert table[0, 1, 0, 0] == 0  # a backward-only block holds no input
+    free = dp_search(fwd, bwd, costs).pairing
+    assert pairing_peak(free, mem_f, mem_b) == 10 * MIB
+    assert pairing_peak(free, mem_f, mem_b, 2 * MIB) == 12 * MIB > bound.budget_bytes
+    planned = dp_search(fwd, bwd, costs, memory=bound)
+    assert planned.planned_ms == pytest.approx(costs.sequential_ms())
+    assert pairing_peak(planned.pairing, mem_f, mem_b, 2 * MIB) <= bound.budget_bytes
+    # the reference is Megatron's backward start; the budget still holds the sequential
+    # plan, whose forward makes its input after the backward freed 8 MiB: -8 + 12 + 8
+    big = make_bound(f_order, b_order, mem_f, mem_b, 1 * MIB, input_bytes=12 * MIB)
+    assert big.reference_bytes == 2 * MIB and big.budget_bytes == 12 * MIB
+    assert make_bound(f_order, b_order, mem_f, mem_b, 1 * MIB,
+                      input_bytes=2 * MIB).budget_bytes == 3 * MIB
+    with pytest.raises(ValueError, match="input"):
+        make_bound(f_order, b_order, mem_f, mem_b, 0, input_bytes=-1)

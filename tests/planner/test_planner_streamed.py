@@ -12,7 +12,8 @@ from dhelix.dag import OpDAG, OpNode
 from dhelix.runtime.streamed_executor import StrandChain
 from planner.costs import CostModel, build_cost_model
 from planner.memory import MemoryBound, OpMemory
-from planner.streamed import StreamedPlanner, lane_patterns, plan_streamed
+from planner.streamed import (StreamedPlanner, StreamedStep, early_input_step, lane_patterns,
+                              plan_streamed)
 
 
 def _chain(direction: str, prefix: str) -> OpDAG:
@@ -48,7 +49,8 @@ def test_hand_timed_pair(sigma):
 
 def _sequence_peak(schedule, memory: MemoryBound) -> float:
     """Live bytes along the schedule's sequence above the start of the latest layer pair
-    both strands finished (reference for its `peak_bytes`)."""
+    both strands finished, in the first pair with the forward's input from its first
+    operator on (reference for its `peak_bytes`)."""
     mems = {"fwd": memory.fwd, "bwd": memory.bwd}
     orders = {"fwd": schedule.fwd_order, "bwd": schedule.bwd_order}
     drift = sum(mems[d].delta[o] for d in mems for o in orders[d])
@@ -56,7 +58,9 @@ def _sequence_peak(schedule, memory: MemoryBound) -> float:
     for step in schedule.sequence:
         mem = mems[step.strand]
         finished = min(ran[d] // len(orders[d]) for d in ran)
-        peak = max(peak, live - finished * drift
+        forward_started = ran["fwd"] > 0 or step.strand == "fwd"
+        held = memory.input_bytes if finished == 0 and forward_started else 0
+        peak = max(peak, live - finished * drift + held
                    + max(mem.transient[step.op], 0, mem.delta[step.op]))
         live += mem.delta[step.op]
         ran[step.strand] += 1
@@ -148,8 +152,9 @@ def test_memory_bounded_sequences_report_their_peak(seed):
         return OpMemory(delta, {o: max(d, 0) + rng.randint(0, 3) for o, d in delta.items()})
 
     mem_f, mem_b = measured(fwd), measured(bwd)
-    for budget in (0.0, 5.0, 1e9):
-        memory = MemoryBound(mem_f, mem_b, reference_bytes=budget, margin_bytes=0.0)
+    for budget, input_bytes in ((0.0, 0.0), (5.0, 0.0), (5.0, 3.0), (1e9, 0.0)):
+        memory = MemoryBound(mem_f, mem_b, reference_bytes=budget, margin_bytes=0.0,
+                             input_bytes=input_bytes)
         schedule = plan_streamed(fwd, bwd, costs, 2, max_orders=4, memory=memory)
         assert schedule.peak_bytes == pytest.approx(_sequence_peak(schedule, memory))
         assert schedule.within_budget == (schedule.peak_bytes <= budget)
@@ -192,3 +197,28 @@ def test_a_chain_refuses_to_skip_a_layer():
 
 class _Execution:
     strand_slot = 1
+
+
+def test_the_forward_input_counts_from_the_first_forward_entry_and_starts_where_it_fits():
+    """The first pair's forward input (`MemoryBound.input_bytes`) is held from the
+    forward's first entry on: the hand case's bounded sequence (b1, bc, f1, fc, b2, f2: peak
+    5) then peaks 5 + 4 = 9. `early_input_step`: the input may be made before the earliest
+    backward entry from which every entry up to the first forward one fits with it."""
+    fwd, bwd = _chain("fwd", "f"), _chain("bwd", "b")
+    memory = MemoryBound(
+        fwd=OpMemory({"f1": 10, "fc": 0, "f2": 10}, {"f1": 10, "fc": 0, "f2": 10}),
+        bwd=OpMemory({"b1": -5, "bc": 0, "b2": -15}, {"b1": 8, "bc": 0, "b2": 0}),
+        reference_bytes=10, margin_bytes=0, input_bytes=4)
+    bounded = plan_streamed(fwd, bwd, _costs(fwd, bwd, 1.0), pairs=1, memory=memory)
+    assert [(s.strand, s.op) for s in bounded.sequence][:3] == [
+        ("bwd", "b1"), ("bwd", "bc"), ("fwd", "f1")]
+    assert bounded.peak_bytes == _sequence_peak(bounded, memory) == 9
+    # b1 holds 8 while it runs: 8 + 4 > 10, so the input waits for bc (-5 + 4)
+    assert bounded.input_step == early_input_step(bounded.sequence, memory) == 1
+    roomy = MemoryBound(memory.fwd, memory.bwd, reference_bytes=12, margin_bytes=0,
+                        input_bytes=4)
+    assert early_input_step(bounded.sequence, roomy) == 0
+    larger = MemoryBound(memory.fwd, memory.bwd, reference_bytes=0, margin_bytes=0,
+                         input_bytes=6)  # -5 + 6 > 0 at bc too
+    assert early_input_step(bounded.sequence, larger) == 2  # the first forward entry
+    assert early_input_step((StreamedStep("fwd", 0, "f1"),), memory) == 0
