@@ -12,14 +12,16 @@ asynchronously on the same TP group and, once landed, transposed in place to [s,
 stock does. On a TP group of two ranks every element's sum is one addition, the same in
 any layout, so there the partial is copied transposed, straight into [s, b, h], and
 all-reduced in place: nothing is left to do once it lands (no transient copy of the
-output where the other strand computes). The layer input is handed on as a `dhelix.arriving.Finishing`: the layer
-execution that reads it holds it pending and its first reader waits (`dhelix.ops.runner`),
-so the strand executor runs the other strand while it travels.
+output where the other strand computes). The layer input is handed on as a
+`dhelix.arriving.Finishing`: the layer execution that reads it holds it pending and its
+first reader waits (`dhelix.ops.runner`), so the strand executor runs the other strand
+while it travels.
 
 Exact (the all-reduce sums the same tensor in the same layout as stock's, or on two ranks
-one addition an element, and the layout change is a copy) where everything the embedding does after its all-reduce is that layout
-change: `embedding_deferrable` checks it (no sequence parallelism, position or token-type
-embedding, MuP scaling, fp32 residual, embedding dropout).
+one addition an element, and the layout change is a copy) where everything the embedding
+does after its all-reduce is that layout change: `embedding_deferrable` checks it (no
+sequence parallelism, position or token-type embedding, MuP scaling, fp32 residual,
+embedding dropout).
 
 (The output layer's input-gradient all-reduce in the backward stays Megatron's: hidden
 under the output layer's weight-gradient GEMM, waited on before the final norm's backward.
