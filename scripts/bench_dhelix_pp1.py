@@ -160,13 +160,22 @@ def _plan_costs(run) -> dict:
         # the time the link idles in the block (the planned layer pairs less their
         # collectives' solo times): where the link is busy all along, the all-reduce only
         # moves, it saves nothing. Started at a later block (`early_input_block`, the memory
-        # bound's), it misses the share of that idle time in the blocks before
+        # bound's), it misses the share of that idle time in the blocks before; streamed,
+        # it travels only beside the backward entries from its start (`input_step`) to the
+        # first forward entry, which waits for it (their solo times)
         if comm_f:
             idle = len(setup.runner.bound_layers) * max(0.0, planned - layer_comm_ms)
             start = setup.runner.early_input_block or 0
             if start and streamed is None and planned > 0:
                 before = sum(block.predicted_ms for block in plan.blocks[:start])
                 idle *= max(0.0, 1.0 - before / (len(setup.runner.bound_layers) * planned))
+            if streamed is not None:
+                sequence = streamed.for_pairs(max(si_block_pairs(setup.parts)))
+                first = next((k for k, step in enumerate(sequence.sequence)
+                              if step.strand == "fwd"), 0)
+                idle = min(idle, sum(setup.costs.solo_b[step.op]
+                                     for step in sequence.sequence[sequence.input_step:first]
+                                     if bwd[step.op].kind != "comm"))
             out["embedding_reduces_hidden_per_step"] = microbatches - 1
             out["embedding_reduce_saving_ms"] = min(setup.costs.solo_f[comm_f[0]], idle)
     if seam is not None:
