@@ -94,6 +94,11 @@ class StreamedSchedule:
     input_step: int = 0
 
     @property
+    def first_forward_step(self) -> int:
+        """Index of the sequence's first forward entry (where the forward reads its input)."""
+        return _first_forward(self.sequence)
+
+    @property
     def within_budget(self) -> bool | None:
         if self.budget_bytes is None:
             return None
@@ -292,7 +297,7 @@ def early_input_step(sequence: Sequence, memory: MemoryBound) -> int:
     within `memory`'s budget (each entry's live bytes above the SI block's start while it
     runs, as `_simulate` counts them, plus the input); that first forward entry always
     (there the forward reads it). The entries before it are the backward strand's."""
-    first = next((k for k, step in enumerate(sequence) if step.strand == FWD), len(sequence))
+    first = _first_forward(sequence)
     holds, live = [], 0.0
     for step in sequence[:first]:
         delta = float(memory.bwd.delta[step.op])
@@ -302,6 +307,11 @@ def early_input_step(sequence: Sequence, memory: MemoryBound) -> int:
     while start > 0 and holds[start - 1] + memory.input_bytes <= memory.budget_bytes:
         start -= 1
     return start
+
+
+def _first_forward(sequence: Sequence) -> int:
+    """Index of the first forward entry of `sequence` (its length if none)."""
+    return next((k for k, step in enumerate(sequence) if step.strand == FWD), len(sequence))
 
 
 def _compute_end(start: float, work: float, running: list) -> float:

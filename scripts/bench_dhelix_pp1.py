@@ -171,10 +171,9 @@ def _plan_costs(run) -> dict:
                 idle *= max(0.0, 1.0 - before / (len(setup.runner.bound_layers) * planned))
             if streamed is not None:
                 sequence = streamed.for_pairs(max(si_block_pairs(setup.parts)))
-                first = next((k for k, step in enumerate(sequence.sequence)
-                              if step.strand == "fwd"), 0)
                 idle = min(idle, sum(setup.costs.solo_b[step.op]
-                                     for step in sequence.sequence[sequence.input_step:first]
+                                     for step in sequence.sequence[
+                                         sequence.input_step:sequence.first_forward_step]
                                      if bwd[step.op].kind != "comm"))
             out["embedding_reduces_hidden_per_step"] = microbatches - 1
             out["embedding_reduce_saving_ms"] = min(setup.costs.solo_f[comm_f[0]], idle)

@@ -266,8 +266,7 @@ class LayerRunner:
         before_step = None
         if isinstance(outputs[0], Producing):
             produced = outputs[0]
-            at = next((k for k, step in enumerate(schedule.sequence) if step.strand == "fwd"),
-                      0)
+            at = schedule.first_forward_step
             if self.early_input_block is not None:  # the schedule's, within its bound
                 at = min(at, schedule.input_step)
 
