@@ -21,19 +21,25 @@ time, the link's rate (gloo's all-reduce moving the same bytes each way: 186 ms)
 receives, then the sends (rank r's tagged r: gloo picks a connection by tag modulo its
 devices, and the emulated cluster gives every process group two devices on the node's
 link, `dhelix.cluster.launch`, so at a group size of 2 each direction has its connection),
-then copies the rank's own block. Elsewhere (another operator, another backend, a group
-larger than the devices, a tensor not contiguous) `func` itself.
+and leaves the rank's own block to the group's watcher thread, which copies it before it
+waits for the transfers: the issuing thread returns once the transfers are posted, as a
+GPU's host returns from NCCL's launch (the copy is a device copy there). Done on the
+issuing thread, the copy of a freshly allocated output (its pages first touched then) held
+that thread, and so every kernel issued after the all-to-all, for tens of ms at the MoE
+benchmark's shapes (docs/gpu_emulation.md, "All-to-all"). Elsewhere (another operator,
+another backend, a group larger than the devices, a tensor not contiguous) `func` itself.
 
 Guarantees: the output holds what `alltoall_base_` would put there (rows of the input split
 by `input_split_sizes` to the group's ranks in order; `output_split_sizes[r]` rows from rank
 r; empty split lists mean equal splits); nothing is copied besides the rank's own block
 (output[own rows] = input[own rows], on the tensors' device). The handle's `wait()`,
-`is_completed()` and `get_future()` are answered by the group's watcher thread, the only
-waiter of the point-to-point Works (one thread per group, named as an emulated GPU host
-thread so the cluster raises it like the issue thread): done once every receive and send
-completed, the first error raised by `wait()`. The handle holds those Works (which hold
-the tensors) until then and drops them before its waiters wake. The exchanges object keeps
-every handle it issued until `close()`, which stops the watchers once their exchanges
+`is_completed()` and `get_future()` are answered by the group's watcher thread, which
+copies the own block and is the only waiter of the point-to-point Works (one thread per
+group, named as an emulated GPU host thread so the cluster raises it like the issue
+thread): done once the own block is copied and every receive and send completed, the first
+error raised by `wait()`. The handle holds the own block's two views and those Works (which
+hold the tensors) until then and drops them before its waiters wake. The exchanges object
+keeps every handle it issued until `close()`, which stops the watchers once their exchanges
 completed: wait on a handle before closing. Every rank of the group must issue the same
 exchanges in the same order, as for any collective.
 """
@@ -63,21 +69,28 @@ def gloo_devices(environ=os.environ) -> int:
 
 
 class ExchangeWork(Work):
-    """The handle of one exchange: the group's watcher is the only thread that waits on
-    its point-to-point Works (gloo's cannot be waited twice: a second wait blocks for
-    good), then drops them and marks this handle done."""
+    """The handle of one exchange: the group's watcher copies the rank's own block
+    (`own`: (destination, source) views, or None) and is the only thread that waits on its
+    point-to-point Works (gloo's cannot be waited twice: a second wait blocks for good),
+    then drops them and marks this handle done."""
 
-    def __init__(self, works: list):
+    def __init__(self, works: list, own: tuple | None = None):
         super().__init__()
         self._works = works
+        self._own = own
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future = torch.futures.Future()
 
     def _settle(self) -> None:
-        """The watcher's part: wait for every Work, keep the first error, drop them."""
+        """The watcher's part: copy the own block, wait for every Work, keep the first
+        error, drop them."""
         works, self._works = self._works, []
+        own, self._own = self._own, None
         try:
+            if own is not None:
+                own[0].copy_(own[1])
+                own = None
             while works:
                 works.pop(0).wait()  # no name keeps the Work (and its tensor) past its wait
         except BaseException as error:
@@ -156,15 +169,17 @@ class AllToAllExchanges:
 
     def exchange(self, output: torch.Tensor, tensor: torch.Tensor, group,
                  output_splits: list, input_splits: list) -> ExchangeWork:
-        """Post the receives, then the sends, copy the own block; the exchange's handle."""
+        """Post the receives, then the sends; the exchange's handle (the group's watcher
+        copies the own block, then waits for the transfers)."""
         size, me = group.size(), group.rank()
         received = _blocks(output, _rows(output_splits, output.shape[0], size))
         sent = _blocks(tensor, _rows(input_splits, tensor.shape[0], size))
         peers = [p for p in range(size) if p != me]
         works = [group.recv([received[p]], p, p) for p in peers if received[p].numel()]
         works += [group.send([sent[p]], p, me) for p in peers if sent[p].numel()]
-        received[me].copy_(sent[me])
-        work = ExchangeWork(works)
+        # the own block: copied by the watcher (module docstring), not on this thread
+        own = (received[me], sent[me]) if received[me].numel() else None
+        work = ExchangeWork(works, own)
         self._issued.append(work)
         watcher = self._watchers.get(group)
         if watcher is None:

@@ -141,4 +141,4 @@ class EmulatedCalls:
         """Sleep until the running call's kernels charged so far have ended (no call
         running: nothing to wait for)."""
         if self._mode is not None:
-            self._mode.synchronize()
+            self._mode.drain()

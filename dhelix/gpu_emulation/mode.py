@@ -29,8 +29,9 @@ host does (`stream_ordered_issue`). Other collectives, those issued under anothe
 mode entered before this one (which must see them on this thread, in order:
 `dhelix.bench.link_floor`'s recorder), and all with the option off, make the host wait
 (sleep, GIL released, no core held) until the stream is drained and then issue. The host
-also waits for the stream before a host read (`.item()`) and at `synchronize()` / leaving
-the mode. `Work.wait()` is not a dispatched operator and needs no flush: on a GPU it orders
+also waits for the stream before a host read (`.item()`) and at `drain()` (a timer's
+mark), not for the collectives handed to the issuer, and for both at `synchronize()` /
+leaving the mode. `Work.wait()` is not a dispatched operator and needs no flush: on a GPU it orders
 only the kernels issued after it, which the stream clock starts after the wait returned (on
 these CPU ranks the host blocks there until the bytes arrived). Collectives themselves run
 for real.
@@ -188,12 +189,28 @@ class GpuEmulationMode(TorchDispatchMode):
     # -- time ---------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Sleep until every kernel charged so far has ended (host = stream) and every
-        collective issued so far has been issued for real."""
+        collective issued so far has been issued for real (what the host needs before it
+        issues a collective on its own thread, in order, or leaves the mode)."""
         start = time.perf_counter()
-        while (left := self._stream_end - time.perf_counter()) > 0:
-            time.sleep(left)
+        self._wait_for_stream()
         self._issuer.flush()
         self._slept += time.perf_counter() - start
+
+    def drain(self) -> None:
+        """Sleep until every kernel charged so far has ended (host = stream), and no longer:
+        the collectives handed to the issuer go on, as a CUDA event on the compute stream or
+        a host read of a kernel's output waits for that stream and not for the
+        communication's. (A collective waiting for its group's previous one is issued only
+        once that one completed; `synchronize()` waits for that, so a host read or a timer
+        mark after an operator that issues two collectives on one group waited for the
+        first to complete: the MoE dispatch's rows and probabilities.)"""
+        start = time.perf_counter()
+        self._wait_for_stream()
+        self._slept += time.perf_counter() - start
+
+    def _wait_for_stream(self) -> None:
+        while (left := self._stream_end - time.perf_counter()) > 0:
+            time.sleep(left)
 
     def _busy_until(self, now: float) -> float | None:
         """Drop the completed collectives (noting their durations); when the ones still in
@@ -325,7 +342,7 @@ class GpuEmulationMode(TorchDispatchMode):
             return self._fill_factory(func, args, kwargs)
         if classify(func, args, kwargs) == "real":
             if is_host_sync(func):
-                self.synchronize()
+                self.drain()
             return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if self._runs_for_real(tensors, is_gemm(func)):

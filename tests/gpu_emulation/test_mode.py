@@ -150,7 +150,9 @@ def _layer_and_collectives(ctx):
 
     # one collective of a process group at a time (NCCL's one stream per communicator):
     # rank 1 joins 0.4 s late, so rank 0's first all-reduce is still running when it issues
-    # a second on the same group, which then waits in the issuer for the first to end
+    # a second on the same group, which then waits in the issuer for the first to end;
+    # drain() (a host read, a timer's mark) waits for the stream only, synchronize() also
+    # for the second to be issued
     from torch.distributed.distributed_c10d import _get_default_group
 
     dist.barrier()
@@ -162,9 +164,14 @@ def _layer_and_collectives(ctx):
         busy = mode._issuer.busy(_get_default_group())
         second = dist.all_reduce(torch.ones(8), async_op=True)
         deferred = mode.report().stream_ordered
+        started = time.perf_counter()
+        mode.drain()
+        drained_at_once = time.perf_counter() - started < 0.2 and not first.is_completed()
+        mode.synchronize()
+        synchronized_after_first = first.is_completed()
         second.wait()
         first_done = first.is_completed()
-    out["group_fifo"] = (busy, deferred, first_done)
+    out["group_fifo"] = (busy, deferred, first_done, drained_at_once, synchronized_after_first)
 
     # slowdown while an async collective is in flight (rank 0 joins it 0.5 s late)
     dist.barrier()
@@ -212,7 +219,7 @@ def test_gpt_layer_and_collectives_under_the_mode():
             key, results[1][key])
     assert results[0]["under_recorder"] == (0, 1), results[0]["under_recorder"]
     assert results[0]["p2p_slowed"] == (1, 0), results[0]["p2p_slowed"]
-    assert results[0]["group_fifo"] == (True, 1, True), results[0]["group_fifo"]
+    assert results[0]["group_fifo"] == (True, 1, True, True, True), results[0]["group_fifo"]
     ms0, one0, slowed0, n0 = results[0]["slowdown"]
     ms1, one1, slowed1, n1 = results[1]["slowdown"]
     assert (slowed0, n0) == (0, 1) and ms0 == pytest.approx(one0)
