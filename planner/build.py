@@ -58,8 +58,7 @@ def make_plan(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairer: str = "dp",
     check_pairing(fwd, bwd, pairing)
     if memory is not None:
         search["memory"] = {**memory.summary(), "plan_peak_mib": round(
-            pairing_peak(pairing, memory.fwd, memory.bwd,
-                                      memory.input_bytes) / MIB, 3)}
+            pairing_peak(pairing, memory.fwd, memory.bwd, memory.input_bytes) / MIB, 3)}
     blocks, timeline, clock = [], [], 0.0
     for number, block in enumerate(pairing.blocks):
         sim = simulate_block(block.fwd, block.bwd, costs)

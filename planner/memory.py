@@ -220,8 +220,17 @@ def early_input_block(pairing, fwd: OpMemory, bwd: OpMemory, budget_bytes: float
         a, b = i, j
         i, j = i + len(block.fwd), j + len(block.bwd)
         bounds.append(float(table[i, j, a, b]))
-    start = first
-    while start > 0 and bounds[start - 1] + input_bytes <= budget_bytes:
+    return earliest_fitting_start(bounds, input_bytes, budget_bytes)
+
+
+def earliest_fitting_start(holds: Sequence[float], extra_bytes: float,
+                           budget_bytes: float) -> int:
+    """The earliest index k such that every one of `holds[k:]` (what each step before a
+    tensor's reader holds) plus `extra_bytes` (the tensor) stays within `budget_bytes`;
+    `len(holds)` (start at the reader) where the last one does not fit. The rule of
+    `early_input_block` (per block) and `planner.streamed.early_input_step` (per entry)."""
+    start = len(holds)
+    while start > 0 and holds[start - 1] + extra_bytes <= budget_bytes:
         start -= 1
     return start
 

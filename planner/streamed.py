@@ -46,7 +46,7 @@ from typing import NamedTuple, Sequence
 from dhelix.dag import OpDAG
 from planner.cosched import collective_sigma
 from planner.costs import CostModel
-from planner.memory import MemoryBound
+from planner.memory import MemoryBound, earliest_fitting_start
 from planner.orders import candidate_orders
 
 FWD, BWD = "fwd", "bwd"
@@ -303,10 +303,7 @@ def early_input_step(sequence: Sequence, memory: MemoryBound) -> int:
         delta = float(memory.bwd.delta[step.op])
         holds.append(live + max(float(memory.bwd.transient[step.op]), 0.0, delta))
         live += delta
-    start = first
-    while start > 0 and holds[start - 1] + memory.input_bytes <= memory.budget_bytes:
-        start -= 1
-    return start
+    return earliest_fitting_start(holds, memory.input_bytes, memory.budget_bytes)
 
 
 def _first_forward(sequence: Sequence) -> int:

@@ -237,10 +237,9 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
             mem_f = memory[id(fwd_programs)][0]
             mem_b = memory[id(bwd_programs)][1]
             margin = _memory_margin(options, count, fwd, mem_f)
-            embedded = (0.0 if run.parallel.pipelined
-                        else boundary_bytes(bound[0].description))  # the next embedding
-            bound_memory = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f,
-                                      mem_b, margin, input_bytes=embedded)
+            bound_memory = make_bound(
+                topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin,
+                input_bytes=_next_embedding_bytes(run, parts, bound[0].description))
         plan, source, costs = _resolve_plan(run, fwd, bwd, bound_memory)
         pair_plans[(fwd_programs, bwd_programs)] = plan
         sources.append(f"{_kind_name(fwd_programs)} fwd x {_kind_name(bwd_programs)} bwd: "
@@ -316,17 +315,24 @@ def _memory_bound(run: DHelixRun, parts: GPTParts, bound_layers, fwd, bwd):
     rope = parts.model.rotary_pos_emb(run.model.seq_length) if run.model.rope else None
     device = model_device(parts.model)
     mem_f, mem_b = measure_op_memory(bound_layers[0], device, rope, _stage_group())
-    outside = pair_start = embedded = 0.0
+    outside = pair_start = 0.0
     desc = bound_layers[0].description
     if not run.parallel.pipelined and parts.model.post_process:
         outside = measure_loss_part_peak(parts, desc, device, rope, _stage_group())
         if len(bound_layers) == 1:  # the embedding's output, the loss part's gradient
             pair_start = 2 * boundary_bytes(desc)
-    if not run.parallel.pipelined and parts.model.pre_process:
-        embedded = boundary_bytes(desc)  # the first pair's input: the next embedding output
     margin = _memory_margin(options, len(bound_layers), fwd, mem_f, outside)
     return make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, margin,
-                      outside, pair_start, embedded)
+                      outside, pair_start, _next_embedding_bytes(run, parts, desc))
+
+
+def _next_embedding_bytes(run: DHelixRun, parts: GPTParts, desc) -> float:
+    """The memory bound's `input_bytes`: without pipelining, on the chunk that embeds, an SI
+    block's first layer pair reads the next micro-batch's embedding output (one boundary
+    tensor of the layer `desc`), made in the block; 0.0 otherwise."""
+    if run.parallel.pipelined or not parts.model.pre_process:
+        return 0.0
+    return boundary_bytes(desc)
 
 
 def _resolve_plan(run: DHelixRun, fwd, bwd, memory=None):
