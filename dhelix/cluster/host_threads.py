@@ -13,6 +13,13 @@ meanwhile, an artefact of the host, not of the schedule. Each names itself with
 `HOST_THREAD_PREFIX` (`name_current_thread`); the cluster's priority scan raises threads so
 named to the NIC's real-time priority (never pins them to communication cores).
 
+Device work the emulation does on a host thread (the all-to-all's copy of the rank's own
+block, `dhelix.gpu_emulation.all_to_all_exchange`) runs under `below_host_threads()`: at
+the fair scheduler's priority, so a raised host thread issuing kernels is not held behind
+it (measured on the 2-core machine, MoE benchmark (e): with the copy at the NIC's priority
+the forward operators co-executed with a backward all-to-all read 15-25 ms more than alone,
+5-10 ms with it below; docs/gpu_emulation.md, "All-to-all").
+
 Guarantees: renames only the calling thread, through Linux's /proc/self/task/<tid>/comm
 (15 bytes at most); where that does not exist or is refused
 nothing happens and False is returned. The name stays until the thread renames itself
@@ -22,7 +29,9 @@ outside the emulated calls too).
 
 from __future__ import annotations
 
+import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 HOST_THREAD_PREFIX = "emulated-"
@@ -41,3 +50,32 @@ def name_current_thread(name: str) -> bool:
     except OSError:
         return False
     return True
+
+
+@contextmanager
+def below_host_threads():
+    """Run the body with the calling thread at normal priority (SCHED_OTHER) when it was
+    raised to a real-time one (`comm_priority`), and give it back its policy afterwards,
+    also when the body raises. A thread already at normal priority, or a host without
+    these calls, runs the body unchanged; if the kernel refuses the restore the thread
+    stays at normal priority (never raised above what it had)."""
+    get = getattr(os, "sched_getscheduler", None)
+    try:
+        policy = get(0) if get is not None else None
+        param = os.sched_getparam(0) if policy is not None else None
+    except OSError:
+        policy = None
+    real_time = policy in (getattr(os, "SCHED_FIFO", None), getattr(os, "SCHED_RR", None))
+    if real_time:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            real_time = False
+    try:
+        yield
+    finally:
+        if real_time:
+            try:
+                os.sched_setscheduler(0, policy, param)
+            except OSError:
+                pass

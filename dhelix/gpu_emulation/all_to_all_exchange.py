@@ -26,7 +26,9 @@ waits for the transfers: the issuing thread returns once the transfers are poste
 GPU's host returns from NCCL's launch (the copy is a device copy there). Done on the
 issuing thread, the copy of a freshly allocated output (its pages first touched then) held
 that thread, and so every kernel issued after the all-to-all, for tens of ms at the MoE
-benchmark's shapes (docs/gpu_emulation.md, "All-to-all"). Elsewhere (another operator,
+benchmark's shapes (docs/gpu_emulation.md, "All-to-all"); the watcher copies at normal
+priority (`host_threads.below_host_threads`), below the raised host threads, and waits for
+the transfers at the priority the cluster gave it. Elsewhere (another operator,
 another backend, a group larger than the devices, a tensor not contiguous) `func` itself.
 
 Guarantees: the output holds what `alltoall_base_` would put there (rows of the input split
@@ -53,7 +55,8 @@ import torch
 from torch._C._distributed_c10d import Work
 
 from dhelix.c10d_ops import process_group_of
-from dhelix.cluster.host_threads import HOST_THREAD_PREFIX, name_current_thread
+from dhelix.cluster.host_threads import (
+    HOST_THREAD_PREFIX, below_host_threads, name_current_thread)
 from dhelix.cluster.naming import GLOO_DEVICES_ENV
 from dhelix.gpu_emulation.aten_costs import op_name
 from dhelix.waiter_thread import WaiterThread
@@ -89,7 +92,8 @@ class ExchangeWork(Work):
         own, self._own = self._own, None
         try:
             if own is not None:
-                own[0].copy_(own[1])
+                with below_host_threads():  # a device copy on a GPU: not the host's time
+                    own[0].copy_(own[1])
                 own = None
             while works:
                 works.pop(0).wait()  # no name keeps the Work (and its tensor) past its wait

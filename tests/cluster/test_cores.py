@@ -1,12 +1,14 @@
 """Core placement of the emulated cluster: the split (pure), the pinning before exec, and
 gloo-named threads moved to their node's communication cores (real processes, no root);
-the emulated GPU's host threads raised with them but left on their cores (root)."""
+the emulated GPU's host threads raised with them but left on their cores, and device work
+on a host thread run below them (root)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 from dhelix.cluster.comm_priority import CommThreadPriority
 from dhelix.cluster.cores import plan_cores, pin_prefix
+from dhelix.cluster.host_threads import below_host_threads
 
 
 def test_sixteen_cores_two_nodes_get_compute_and_communication_blocks():
@@ -139,3 +142,31 @@ def test_emulated_host_threads_get_the_nics_priority_but_keep_their_cores():
     finally:
         proc.kill()
         proc.wait()
+
+
+@needs_root
+def test_below_host_threads_drops_a_raised_thread_to_normal_and_gives_it_back():
+    """The all-to-all's own-block copy runs below the raised host threads: inside
+    `below_host_threads` a SCHED_FIFO thread is SCHED_OTHER, afterwards (also after an
+    error) FIFO again at its priority; a normal thread stays normal throughout."""
+    seen = []
+
+    def raised_thread():
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        with below_host_threads():
+            seen.append(os.sched_getscheduler(0))
+        seen.append((os.sched_getscheduler(0), os.sched_getparam(0).sched_priority))
+        try:
+            with below_host_threads():
+                raise KeyError("body")
+        except KeyError:
+            seen.append(os.sched_getscheduler(0))
+
+    thread = threading.Thread(target=raised_thread)
+    thread.start()
+    thread.join()
+    assert seen == [os.SCHED_OTHER, (os.SCHED_FIFO, 1), os.SCHED_FIFO]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    with below_host_threads():
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
