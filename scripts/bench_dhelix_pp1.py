@@ -73,8 +73,8 @@ DEFAULT_SYSTEMS = {"megatron": [], "dhelix": ["--dhelix"]}
 def _timeline_step(run, calls, name: str) -> dict:
     """One more forward/backward of the `--dhelix` run `run` (system `name`, run through
     `calls`, a `_Calls`) with the compute thread's spans recorded (`dhelix.runtime.timeline`):
-    seconds of compute, collective issue, waiting on collectives, block barriers, and the
-    step's wall time."""
+    seconds of compute, collective issue, waiting on collectives, block barriers, the
+    step's wall time, and where the thread was held longest (`Timeline.held_longest`)."""
     import torch.distributed as dist
 
     from dhelix.runtime.timeline import Timeline
@@ -86,8 +86,9 @@ def _timeline_step(run, calls, name: str) -> dict:
     calls(f"{name}.timeline", run, run.forward_backward)
     elapsed = time.perf_counter() - start
     totals = runner.timeline.totals()
+    held = runner.timeline.held_longest()
     runner.timeline = None
-    return {**totals, "step_s": elapsed}
+    return {**totals, "step_s": elapsed, "held_longest": held}
 
 
 def _plan_costs(run) -> dict:

@@ -20,3 +20,18 @@ def test_spans_totals_and_trace():
     assert [(e["name"], e["cat"], e["tid"]) for e in spans] == [
         ("fc1", "compute", KINDS.index("compute")), ("fc1", "wait", KINDS.index("wait"))]
     assert spans[0]["ts"] == 0.0 and spans[1]["ts"] >= spans[0]["dur"]
+
+
+def test_held_longest_sums_each_operators_waits_and_leaves_computation_out():
+    timeline = Timeline()
+    spans = [("compute", "fc1", 0.0, 5.0), ("wait", "sort", 5.0, 6.0),
+             ("issue", "dispatch", 6.0, 6.5), ("wait", "sort", 7.0, 8.5),
+             ("barrier", "block end", 8.5, 8.7), ("wait", "unpermute", 9.0, 9.4)]
+    timeline.spans.extend(spans)
+    held = timeline.held_longest(3)
+    assert [row[:2] for row in held] == [["wait", "sort"], ["issue", "dispatch"],
+                                         ["wait", "unpermute"]]
+    assert abs(held[0][2] - 2.5) < 1e-9 and held[0][3] == 2
+    assert abs(held[1][2] - 0.5) < 1e-9 and held[1][3] == 1
+    assert len(timeline.held_longest(10)) == 4  # compute is never listed
+    assert Timeline().held_longest() == []

@@ -351,7 +351,19 @@ def _timeline_table(rows: list) -> list:
                      f"{t['issue'] * 1e3:.0f} | {t['wait'] * 1e3:.0f} | "
                      f"{t['barrier'] * 1e3:.0f} | {outside * 1e3:.0f} | "
                      + " | ".join(measured) + " |")
+    held = [_held_line(r) for r in recorded if r["timeline"].get("held_longest")]
+    if held:
+        lines += ["", "Where that step held the compute thread longest (issuing a collective, "
+                  "waiting on one, a block's barrier; ms summed over the step, spans):", ""]
+        lines += held
     return lines + [""]
+
+
+def _held_line(row: dict) -> str:
+    """One system's `Timeline.held_longest` as a list item."""
+    parts = [f"{kind} `{name}` {seconds * 1e3:.0f} ({spans})"
+             for kind, name, seconds, spans in row["timeline"]["held_longest"]]
+    return f"- {row['label']}: " + ", ".join(parts)
 
 
 def _cpu_table(rows: list) -> list:

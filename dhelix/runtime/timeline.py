@@ -43,6 +43,19 @@ class Timeline:
         out["recorded"] = sum(out[kind] for kind in KINDS)
         return out
 
+    def held_longest(self, count: int = 4) -> list:
+        """Where the compute thread was held longest: the `count` (kind, operator) of the
+        kinds other than `compute` (issuing a collective, waiting on one, a block's barrier)
+        with the most seconds summed over their spans, as [kind, name, seconds, spans],
+        longest first (ties in first-recorded order)."""
+        held: dict = {}
+        for kind, name, start, end in self.spans:
+            if kind != "compute":
+                seconds, spans = held.get((kind, name), (0.0, 0))
+                held[(kind, name)] = (seconds + end - start, spans + 1)
+        ranked = sorted(held.items(), key=lambda item: -item[1][0])[:count]
+        return [[kind, name, seconds, spans] for (kind, name), (seconds, spans) in ranked]
+
     def chrome_trace(self, pid: int = 0) -> dict:
         """The spans as a Chrome/Perfetto trace (one row per kind), microseconds from the
         first span."""

@@ -60,8 +60,13 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
         timeline = a[name]["timeline"]
         assert timeline["compute"] > 0 and timeline["issue"] > 0, (name, timeline)
         assert timeline["recorded"] <= timeline["step_s"]
+        held = timeline["held_longest"]  # the compute thread's longest holds, longest first
+        assert held and [h[2] for h in held] == sorted((h[2] for h in held), reverse=True)
+        assert sum(h[2] for h in held) <= (timeline["issue"] + timeline["wait"]
+                                           + timeline["barrier"]) + 1e-9
     text = (tmp_path / "results.md").read_text()
     assert "## (a)" in text and "CPU work per rank" in text
+    assert "held the compute thread longest" in text
     assert (tmp_path / "results.png").stat().st_size > 10_000
     # nothing of ours left: no new namespace (other runs may start their own meanwhile,
     # so only names carrying this benchmark's launcher pids count), no host qdisc change
