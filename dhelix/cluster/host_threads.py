@@ -65,7 +65,7 @@ def below_host_threads():
         param = os.sched_getparam(0) if policy is not None else None
     except OSError:
         policy = None
-    real_time = policy in (getattr(os, "SCHED_FIFO", None), getattr(os, "SCHED_RR", None))
+    real_time = policy is not None and policy in (os.SCHED_FIFO, os.SCHED_RR)
     if real_time:
         try:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
