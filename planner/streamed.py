@@ -46,7 +46,7 @@ from typing import NamedTuple, Sequence
 from dhelix.dag import OpDAG
 from planner.cosched import collective_sigma
 from planner.costs import CostModel
-from planner.memory import MemoryBound, earliest_fitting_start
+from planner.memory import MemoryBound, earliest_fitting_start, live_and_peak
 from planner.orders import candidate_orders
 
 FWD, BWD = "fwd", "bwd"
@@ -298,12 +298,8 @@ def early_input_step(sequence: Sequence, memory: MemoryBound) -> int:
     runs, as `_simulate` counts them, plus the input); that first forward entry always
     (there the forward reads it). The entries before it are the backward strand's."""
     first = _first_forward(sequence)
-    holds, live = [], 0.0
-    for step in sequence[:first]:
-        delta = float(memory.bwd.delta[step.op])
-        holds.append(live + max(float(memory.bwd.transient[step.op]), 0.0, delta))
-        live += delta
-    return earliest_fitting_start(holds, memory.input_bytes, memory.budget_bytes)
+    _, holds = live_and_peak([step.op for step in sequence[:first]], memory.bwd)
+    return earliest_fitting_start(holds[1:], memory.input_bytes, memory.budget_bytes)
 
 
 def _first_forward(sequence: Sequence) -> int:
