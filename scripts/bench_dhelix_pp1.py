@@ -383,6 +383,7 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
         result.update(layer_activation_bytes=calls("dhelix.activations", dhelix,
                                                    lambda: _layer_activation_bytes(dhelix)),
                       predicted_speedup=plan.speedup, plan_blocks=len(plan.blocks),
+                      plan_block_ops=[[list(b.fwd), list(b.bwd)] for b in plan.blocks],
                       plan_source=dhelix.dhelix.plan_source)
     result["gpu_emulation"] = calls.describe()
     close_all_runs()

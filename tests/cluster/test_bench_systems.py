@@ -64,6 +64,11 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
         assert held and [h[2] for h in held] == sorted((h[2] for h in held), reverse=True)
         assert sum(h[2] for h in held) <= (timeline["issue"] + timeline["wait"]
                                            + timeline["barrier"]) + 1e-9
+    ranks = json.loads((tmp_path / "raw" / "a.ranks.json").read_text())["ranks"]
+    for rank in ranks:  # the DHelix row's plan, block by block (forward ops, backward ops)
+        blocks = rank["plan_block_ops"]
+        assert len(blocks) == rank["plan_blocks"] and all(f or b for f, b in blocks)
+        assert any(f and b for f, b in blocks), blocks  # some block pairs the two strands
     text = (tmp_path / "results.md").read_text()
     assert "## (a)" in text and "CPU work per rank" in text
     assert "held the compute thread longest" in text
