@@ -318,7 +318,10 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
     peak memory, then Megatron's communication alone (`_link_floor`), then one recorded
     forward/backward per DHelix-runtime system (`_timeline_step`). Returns this rank's step
     times (measured rounds only), peak bytes, the link floor readings and, per system using
-    the DHelix runtime, its plan description and timeline totals. Closes every run.
+    the DHelix runtime, its plan description and timeline totals; for the `dhelix` system
+    also its plan's blocks (`plan_block_ops`: each block's forward and backward operator
+    ids; the block plan, which a run choosing streamed SI blocks does not follow; a mixed
+    dense/MoE stack's first layer pair's). Closes every run.
 
     `emulation` (`dhelix.gpu_emulation.emulated_run.GpuEmulation`'s fields): every call
     that runs a model (steps, the memory and recorded forward/backwards, the link floor's
