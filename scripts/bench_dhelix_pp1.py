@@ -70,25 +70,45 @@ def _layer_activation_bytes(run) -> int:
 DEFAULT_SYSTEMS = {"megatron": [], "dhelix": ["--dhelix"]}
 
 
+def _device_clock() -> float:
+    """`Timeline.block_clock` for the bench: under the GPU emulation the emulated stream's
+    (`GpuEmulationMode.stream_time`: when the kernels issued so far end), else now."""
+    from dhelix.gpu_emulation.regions import active_mode
+
+    mode = active_mode()
+    return mode.stream_time() if mode is not None else time.perf_counter()
+
+
 def _timeline_step(run, calls, name: str) -> dict:
     """One more forward/backward of the `--dhelix` run `run` (system `name`, run through
     `calls`, a `_Calls`) with the compute thread's spans recorded (`dhelix.runtime.timeline`):
     seconds of compute, collective issue, waiting on collectives, block barriers, the
-    step's wall time, and where the thread was held longest (`Timeline.held_longest`)."""
+    step's wall time, where the thread was held longest (`Timeline.held_longest`), and per
+    block of the plan its median ms over the step's layer pairs on the device's clock
+    (`block_ms`: [index, ms, pairs] rows; `_device_clock`) beside what the plan's cost model
+    gives it (`planned_block_ms`, `planner.cosched.simulate_block`; None without a cost
+    model)."""
     import torch.distributed as dist
 
     from dhelix.runtime.timeline import Timeline
+    from planner.cosched import simulate_block
 
     runner = run.dhelix.runner
-    runner.timeline = Timeline()
+    runner.timeline = Timeline(block_clock=_device_clock)
     dist.barrier()
     start = time.perf_counter()
     calls(f"{name}.timeline", run, run.forward_backward)
     elapsed = time.perf_counter() - start
     totals = runner.timeline.totals()
     held = runner.timeline.held_longest()
+    blocks = [[index, ms, pairs] for index, (ms, pairs) in runner.timeline.block_ms().items()]
     runner.timeline = None
-    return {**totals, "step_s": elapsed, "held_longest": held}
+    setup = run.dhelix
+    planned = None
+    if setup.costs is not None and setup.plan is not None:
+        planned = [simulate_block(b.fwd, b.bwd, setup.costs).ms for b in setup.plan.blocks]
+    return {**totals, "step_s": elapsed, "held_longest": held, "block_ms": blocks,
+            "planned_block_ms": planned}
 
 
 def _plan_costs(run) -> dict:

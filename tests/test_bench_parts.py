@@ -81,7 +81,9 @@ def _raw():
                                        "barrier": 0.2, "recorded": 2.3 + 0.3 * f,
                                        "step_s": 3.2,
                                        "held_longest": [["wait", "unpermute", 0.2 * f, 4],
-                                                        ["issue", "dispatch.a2a", 0.1, 4]]}},
+                                                        ["issue", "dispatch.a2a", 0.1, 4]],
+                                       "block_ms": [[0, 30.0 * f, 7], [1, 120.0, 7]],
+                                       "planned_block_ms": [25.0, 110.0]}},
               "link_floor": {"collectives": 170, "tensor_bytes": 85 * 2**20, "skipped": [],
                              "one_at_a_time_s": [2.0 * f, 2.2, 2.1],
                              "all_at_once_s": [2.5, 2.4 * f, 2.6]}} for f in (1.0, 1.01)]
@@ -147,6 +149,9 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     # and where that rank's step held the compute thread longest
     assert ("- DHelix (analytic-cost plan, no profile): wait `unpermute` 202 (4), issue "
             "`dispatch.a2a` 100 (4)") in text
+    # and that step's layer pairs block by block: planned / measured (the slower rank's)
+    assert ("- DHelix (analytic-cost plan, no profile) (7 layer pairs): 1: 25 / 30, 2: 110 / "
+            "120; a pair 135 / 150") in text
     assert "## (a)" in text and "## (c)" in text
     assert text.count("Oversubscribed: 4 ranks on 2 cores") == 1  # (c) only
     assert "n/a (--dhelix-pairer domino (intra-batch split) runs without" in text

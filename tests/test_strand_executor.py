@@ -59,3 +59,18 @@ def test_only_a_layer_pair_s_last_block_waits_unless_barriers_are_asked_for():
         # each strand keeps its plan order across blocks
         assert [e for e in log if e.startswith("f.")] == ["f.a", "f.b", "f.c"]
         assert [e for e in log if e.startswith("b.")] == ["b.x", "b.y", "b.z"]
+
+
+def test_run_blocks_marks_each_block_s_end_numbered_from_first_index():
+    from dhelix.runtime.timeline import Timeline
+
+    log = []
+    fwd = _Execution("f", {"a": "comp", "b": "comm"}, log)
+    bwd = _Execution("b", {"x": "comp", "y": "comp"}, log, phase="bwd")
+    clock = iter(range(100))
+    timeline = Timeline(block_clock=lambda: float(next(clock)))
+    run_blocks(fwd, bwd, [Block(("a",), ("x",)), Block(("b",), ("y",))], timeline=timeline,
+               first_index=3)  # the blocks after a seam's head start at index 3
+    assert [(index, start, end) for index, start, end in timeline.blocks] == [
+        (3, 0.0, 1.0), (4, 1.0, 2.0)]
+    assert {kind for kind, *_ in timeline.spans} >= {"compute", "issue", "barrier"}

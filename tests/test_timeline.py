@@ -35,3 +35,19 @@ def test_held_longest_sums_each_operators_waits_and_leaves_computation_out():
     assert abs(held[1][2] - 0.5) < 1e-9 and held[1][3] == 1
     assert len(timeline.held_longest(10)) == 4  # compute is never listed
     assert Timeline().held_longest() == []
+
+
+def test_blocks_run_from_the_previous_block_s_end_on_the_block_clock():
+    ticks = iter([10.0, 10.5, 12.0, 20.0, 30.0, 30.25, 31.0, 31.5])
+    timeline = Timeline(block_clock=lambda: next(ticks))
+    for _ in range(2):  # two layer pairs of three blocks, 10 s apart
+        timeline.layer_pair_started()
+        for index in range(3):
+            timeline.block_ended(index)
+    assert timeline.blocks == [(0, 10.0, 10.5), (1, 10.5, 12.0), (2, 12.0, 20.0),
+                               (0, 30.0, 30.25), (1, 30.25, 31.0), (2, 31.0, 31.5)]
+    ms = timeline.block_ms()  # median over the pairs, index order
+    assert list(ms) == [0, 1, 2] and [pairs for _, pairs in ms.values()] == [2, 2, 2]
+    assert [round(v, 6) for v, _ in ms.values()] == [375.0, 1125.0, 4250.0]
+    assert timeline.totals()["recorded"] == 0.0  # block marks are not spans
+    assert Timeline().block_ms() == {}

@@ -356,7 +356,33 @@ def _timeline_table(rows: list) -> list:
         lines += ["", "Where that step held the compute thread longest (issuing a collective, "
                   "waiting on one, a block's barrier; ms summed over the step, spans):", ""]
         lines += held
+    blocks = [_blocks_line(r) for r in recorded if r["timeline"].get("block_ms")]
+    if blocks:
+        lines += ["", "That step's layer pairs block by block (median ms over the pairs, on "
+                  "the device's clock: under the emulation the emulated stream's; block: "
+                  "planned by the plan's cost model / measured):", ""]
+        lines += blocks
     return lines + [""]
+
+
+def _blocks_line(row: dict) -> str:
+    """One system's per-block times (`_timeline_step`'s `block_ms`, `planned_block_ms`) as a
+    list item, blocks numbered from 1 as the plan line numbers them."""
+    timeline = row["timeline"]
+    planned = timeline.get("planned_block_ms")
+    parts, measured_sum, planned_sum = [], 0.0, 0.0
+    for index, ms, _ in timeline["block_ms"]:
+        measured_sum += ms
+        if planned is not None and index < len(planned):
+            planned_sum += planned[index]
+            parts.append(f"{index + 1}: {planned[index]:.0f} / {ms:.0f}")
+        else:
+            parts.append(f"{index + 1}: {ms:.0f}")
+    pairs = max(p for _, _, p in timeline["block_ms"])
+    total = (f"{planned_sum:.0f} / {measured_sum:.0f}" if planned is not None
+             else f"{measured_sum:.0f}")
+    return (f"- {row['label']} ({pairs} layer pairs): " + ", ".join(parts)
+            + f"; a pair {total}")
 
 
 def _held_line(row: dict) -> str:

@@ -208,6 +208,12 @@ class GpuEmulationMode(TorchDispatchMode):
         self._wait_for_stream()
         self._slept += time.perf_counter() - start
 
+    def stream_time(self) -> float:
+        """When the kernels charged so far end on the emulated stream (`time.perf_counter`
+        seconds), or now where it has run them all: the device's clock, which a host running
+        ahead of it has not reached yet."""
+        return max(time.perf_counter(), self._stream_end)
+
     def _wait_for_stream(self) -> None:
         while (left := self._stream_end - time.perf_counter()) > 0:
             time.sleep(left)

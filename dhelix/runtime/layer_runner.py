@@ -248,7 +248,7 @@ class LayerRunner:
             run_blocks(fwd, bwd, blocks[start:end], barrier=self.block_barriers,
                        timeline=self.timeline, on_strand_end=reporter,
                        before_block=_starter(produced, blocks[start:end],
-                                             self.early_input_block))
+                                             self.early_input_block), first_index=start)
             produced = None
             x = ended.pop("fwd") if "fwd" in ended else fwd.end_forward()
             if unfinished is None:

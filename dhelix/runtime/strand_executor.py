@@ -153,20 +153,26 @@ def _run_strands(strands: list, timeline, on_strand_end=None) -> None:
 
 def run_blocks(fwd_execution, bwd_execution, blocks: Sequence[Block],
                barrier: bool = False, timeline=None, on_strand_end=None,
-               before_block=None) -> None:
+               before_block=None, first_index: int = 0) -> None:
     """Run a layer pair's whole plan: every block in order. With `barrier` False (the
     default) a block's collectives may still be in flight when the next block starts: a
     reader waits for exactly the collective it reads, and only the end of the last block
     waits for everything (so both executions can end their programs). With `barrier` True
     every block ends by waiting for its collectives, as the planner's cost model assumes.
     `on_strand_end` is passed to every block (`run_block`); `before_block(index)`, when
-    given, is called (with autograd as the caller has it) before block `index` starts."""
+    given, is called (with autograd as the caller has it) before block `index` starts.
+    `timeline` also gets each block's end (`Timeline.block_ended`), numbered from
+    `first_index` (where `blocks` starts in the pair's plan)."""
+    if timeline is not None:
+        timeline.layer_pair_started()
     for index, block in enumerate(blocks):
         if before_block is not None:
             before_block(index)
         last = index == len(blocks) - 1
         run_block(fwd_execution, bwd_execution, block, barrier=barrier or last,
                   timeline=timeline, on_strand_end=on_strand_end)
+        if timeline is not None:
+            timeline.block_ended(first_index + index)
 
 
 def run_alone(execution, order: Sequence[str], timeline=None) -> None:

@@ -10,22 +10,54 @@ default). The strand executor records, on the calling (compute) thread:
 - `barrier`: the end-of-block wait for both strands' collectives.
 `wait` + `barrier` is the communication the interleaving left exposed on this rank. On GPU
 the spans are host-side launch times, not kernel times; use them on CPU.
+
+Besides the spans, `run_blocks` marks where each block of a layer pair's plan ended
+(`blocks`: block index, start, end), read on `block_clock`: `time.perf_counter` by default
+(the compute thread), or a clock that says when the work issued so far ends where it runs
+(under the GPU emulation, the emulated stream: `GpuEmulationMode.stream_time`), since a
+host that runs ahead of its device passes a block's end before the block has run.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 KINDS = ("compute", "issue", "wait", "barrier")
 
 
 @dataclass
 class Timeline:
-    """Spans (kind, name, start_s, end_s) in `time.perf_counter` seconds."""
+    """Spans (kind, name, start_s, end_s) in `time.perf_counter` seconds, and the blocks of
+    the layer pairs run (index in the pair's plan, start_s, end_s) on `block_clock`."""
 
     spans: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)
+    block_clock: Callable[[], float] = time.perf_counter
+    _block_start: float | None = field(default=None, init=False, repr=False)
+
+    def layer_pair_started(self) -> None:
+        """A layer pair's blocks start now (`run_blocks`): the next block's start."""
+        self._block_start = self.block_clock()
+
+    def block_ended(self, index: int) -> None:
+        """Block `index` of a layer pair's plan ended now: it ran from the previous block's
+        end (or the pair's start) to now."""
+        now = self.block_clock()
+        start = now if self._block_start is None else self._block_start
+        self.blocks.append((index, start, now))
+        self._block_start = now
+
+    def block_ms(self) -> dict:
+        """Median ms of each block index over the layer pairs recorded, {index: (ms,
+        pairs)}, in index order."""
+        by_index: dict = {}
+        for index, start, end in self.blocks:
+            by_index.setdefault(index, []).append((end - start) * 1e3)
+        return {index: (statistics.median(ms), len(ms)) for index, ms in sorted(by_index.items())}
 
     @contextmanager
     def span(self, kind: str, name: str):

@@ -69,6 +69,14 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
         blocks = rank["plan_block_ops"]
         assert len(blocks) == rank["plan_blocks"] and all(f or b for f, b in blocks)
         assert any(f and b for f, b in blocks), blocks  # some block pairs the two strands
+        # the recorded step's layer pairs block by block, beside the cost model's times
+        # (none where the start-up choice streams the SI blocks: they run no blocks)
+        recorded = rank["timelines"]["dhelix"]
+        streamed = "SI blocks run streamed" in rank["plans"]["dhelix"]
+        assert [row[0] for row in recorded["block_ms"]] == (
+            [] if streamed else list(range(len(blocks))))
+        assert all(ms >= 0 and pairs >= 1 for _, ms, pairs in recorded["block_ms"])
+        assert len(recorded["planned_block_ms"]) == len(blocks)
     text = (tmp_path / "results.md").read_text()
     assert "## (a)" in text and "CPU work per rank" in text
     assert "held the compute thread longest" in text

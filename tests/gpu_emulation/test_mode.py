@@ -393,6 +393,23 @@ def test_stream_idle_counts_only_gaps_between_kernels():
     assert 0.2 - kernel_s <= idle <= 0.2 - kernel_s + 0.05, (idle, kernel_s)
 
 
+def test_stream_time_is_when_the_queued_kernels_end():
+    import time
+
+    mode = _mode(scale=50.0)
+    a = torch.empty(2048, 2048)
+    with mode:
+        before = time.perf_counter()
+        assert before <= mode.stream_time() <= time.perf_counter()  # nothing queued: now
+        a @ a
+        a @ a
+        queued = mode.report().modelled_ms * 50.0 / 1000  # the host did not wait for them
+        ahead = mode.stream_time() - time.perf_counter()
+        assert 0.5 * queued < ahead <= queued, (ahead, queued)
+        mode.drain()
+        assert mode.stream_time() - time.perf_counter() < 1e-3
+
+
 class _RaisingCollective:
     """A stand-in operator for the issuer's error path only (a refused collective)."""
 
