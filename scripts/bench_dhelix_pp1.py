@@ -87,7 +87,8 @@ def _timeline_step(run, calls, name: str) -> dict:
     block of the plan its median ms over the step's layer pairs on the device's clock
     (`block_ms`: [index, ms, pairs] rows; `_device_clock`) beside what the plan's cost model
     gives it (`planned_block_ms`, `planner.cosched.simulate_block`; None without a cost
-    model)."""
+    model); no blocks for a mixed dense/MoE stack, whose layer pairs follow plans of their
+    own."""
     import torch.distributed as dist
 
     from dhelix.runtime.timeline import Timeline
@@ -105,7 +106,9 @@ def _timeline_step(run, calls, name: str) -> dict:
     runner.timeline = None
     setup = run.dhelix
     planned = None
-    if setup.costs is not None and setup.plan is not None:
+    if setup.pair_plans is not None and len(setup.pair_plans) > 1:
+        blocks = []  # a mixed dense/MoE stack's layer pairs follow different plans
+    elif setup.costs is not None and setup.plan is not None:
         planned = [simulate_block(b.fwd, b.bwd, setup.costs).ms for b in setup.plan.blocks]
     return {**totals, "step_s": elapsed, "held_longest": held, "block_ms": blocks,
             "planned_block_ms": planned}
