@@ -102,13 +102,14 @@ def _timeline_step(run, calls, name: str) -> dict:
     elapsed = time.perf_counter() - start
     totals = runner.timeline.totals()
     held = runner.timeline.held_longest()
-    blocks = [[index, ms, pairs] for index, (ms, pairs) in runner.timeline.block_ms().items()]
-    runner.timeline = None
     setup = run.dhelix
+    # a mixed dense/MoE stack's layer pairs follow different plans: no blocks by index
+    mixed = setup.pair_plans is not None and len(setup.pair_plans) > 1
+    blocks = [] if mixed else [[index, ms, pairs] for index, (ms, pairs)
+                               in runner.timeline.block_ms().items()]
+    runner.timeline = None
     planned = None
-    if setup.pair_plans is not None and len(setup.pair_plans) > 1:
-        blocks = []  # a mixed dense/MoE stack's layer pairs follow different plans
-    elif setup.costs is not None and setup.plan is not None:
+    if not mixed and setup.costs is not None and setup.plan is not None:
         planned = [simulate_block(b.fwd, b.bwd, setup.costs).ms for b in setup.plan.blocks]
     return {**totals, "step_s": elapsed, "held_longest": held, "block_ms": blocks,
             "planned_block_ms": planned}

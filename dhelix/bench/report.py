@@ -373,7 +373,7 @@ def _blocks_line(row: dict) -> str:
     parts, measured_sum, planned_sum = [], 0.0, 0.0
     for index, ms, _ in timeline["block_ms"]:
         measured_sum += ms
-        if planned is not None and index < len(planned):
+        if planned is not None:
             planned_sum += planned[index]
             parts.append(f"{index + 1}: {planned[index]:.0f} / {ms:.0f}")
         else:
