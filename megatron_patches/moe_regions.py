@@ -127,14 +127,33 @@ def permute_tokens(moe_layer, hidden: torch.Tensor, probs: torch.Tensor,
 @dataclass(frozen=True)
 class DispatchSplits:
     """Per micro-batch all-to-all metadata of one MoE layer, on the host: rows sent to /
-    received from each expert-parallel rank, tokens per local expert, and received tokens
-    per (source rank, local expert) (`num_global_tokens_per_local_expert`, a CPU tensor as
-    megatron-core's unfused dispatcher keeps it; `--moe-permute-fusion` is refused)."""
+    received from each expert-parallel rank, tokens per local expert, received tokens per
+    (source rank, local expert) (`num_global_tokens_per_local_expert`, a CPU tensor as
+    megatron-core's unfused dispatcher keeps it; `--moe-permute-fusion` is refused), and
+    this rank's routed rows per global expert (`sent_per_expert`: the sizes of the permuted
+    rows' groups, in expert order)."""
 
     input_splits: tuple
     output_splits: tuple
     tokens_per_expert: tuple
     per_local_expert: torch.Tensor
+    sent_per_expert: tuple
+
+    def one_expert_exchange(self, local_expert: int) -> tuple[list, list, list]:
+        """The all-to-all that carries local expert `local_expert`'s rows alone toward the
+        experts (the combine's gradient split by local expert, `moe_program`): (the (start,
+        stop) range of this rank's permuted rows it sends to each expert-parallel rank, in
+        group order: that rank's local expert `local_expert`; the send split sizes; the
+        receive split sizes, one per source rank). The rows received, in source-rank order,
+        are that expert's rows as `sort_received` orders them (host integers only)."""
+        local = self.per_local_expert.shape[1]
+        starts = [0]
+        for count in self.sent_per_expert:
+            starts.append(starts[-1] + count)
+        ranges = [(starts[e], starts[e + 1])
+                  for e in range(local_expert, len(self.sent_per_expert), local)]
+        receive = [int(n) for n in self.per_local_expert[:, local_expert].tolist()]
+        return ranges, [stop - start for start, stop in ranges], receive
 
 
 def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> DispatchSplits:
@@ -161,7 +180,8 @@ def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> Dispatch
         input_splits=input_splits,
         output_splits=tuple(sum(row) for row in per_local),
         tokens_per_expert=tuple(sum(row[j] for row in per_local) for j in range(local_experts)),
-        per_local_expert=torch.tensor(per_local, dtype=gathered.dtype, device="cpu"))
+        per_local_expert=torch.tensor(per_local, dtype=gathered.dtype, device="cpu"),
+        sent_per_expert=tuple(mine))
 
 
 def sort_received(moe_layer, tokens: torch.Tensor, probs: torch.Tensor,

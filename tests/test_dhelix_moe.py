@@ -41,7 +41,9 @@ CASES = {"ep2_mixed_dp": ParityCase(MOE, ("--dhelix",)),
          "ep2_mixed_shared_expert": ParityCase(MOE + SHARED, ("--dhelix",)),
          "ep2_mixed_llama_round_robin": ParityCase(MOE + LLAMA, ("--dhelix", "--dhelix-pairer",
                                                                  "round_robin")),
-         "ep2_all_moe_profiled": ParityCase(ALL_MOE, ("--dhelix", "--dhelix-profile", PROFILE)),
+         # without biases: the combine's gradient split by local expert, profiled too
+         "ep2_all_moe_profiled": ParityCase(ALL_MOE + ("--disable-bias-linear",),
+                                            ("--dhelix", "--dhelix-profile", PROFILE)),
          # streamed SI blocks: both strands' all-to-alls on one expert-parallel lane
          # (unbounded: with the bound the analytic costs put the streamed sequence within
          # ~10% of the block plan, on either side as the measured memory moves, and setup
@@ -105,7 +107,12 @@ def test_moe_layers_ran_as_operators_with_their_all_to_alls_on_lanes(report):
         # the probabilities' two gradients are summed only when the experts have biases
         assert ("experts.probs_sum" in entry["moe_bwd_ops"]) == entry["moe_bias"]
         assert entry["moe_bias"] == ("llama" not in entry["case"] and not shared)
-        assert "combine.a2a_grad" in entry["moe_bwd_ops"]
+        # without biases the combine's gradient travels expert by expert (2 local experts),
+        # the last expert's first, with no unsort in between
+        split = ["combine.a2a_grad.1", "combine.a2a_grad.0"]
+        assert all((op in entry["moe_bwd_ops"]) != entry["moe_bias"] for op in split)
+        assert ("combine.a2a_grad" in entry["moe_bwd_ops"]) == entry["moe_bias"]
+        assert ("experts.unsort.bwd" in entry["moe_bwd_ops"]) == entry["moe_bias"]
         assert "dispatch.a2a_grad" in entry["moe_bwd_ops"]
         # one rank per node (DHELIX_RANKS_PER_NODE=1): the EP group spans two nodes, so
         # the all-to-alls use the inter-node channel, on lanes of the EP group
@@ -125,6 +132,8 @@ def test_an_all_moe_stack_profiled_and_planned_from_its_profile(profiled):
                      "expert_linear.dgrad(", "expert_linear.wgrad(", "expert_gelu.bwd(",
                      "unpermute.bwd(", "all_to_all(", "all_gather("):
             assert any(k.startswith(name) for k in keys), (name, keys)
+        # the whole all-to-alls' rows and one expert's share (the combine's gradient)
+        assert len({k for k in keys if k.startswith("all_to_all(")}) == 2, keys
         assert "costs from profile" in entry["plan_source"], entry["plan_source"]
         assert entry["pair_plans"] == 0  # identical layers: one plan
         assert entry["routing_equal"] and entry["moe_layers"] == [1, 2, 3, 4]

@@ -11,7 +11,8 @@ pending: `moe_token_counts` all-gathers each rank's token count per expert;
 `moe_all_to_all` exchanges token rows (and their routing probabilities) with split sizes
 derived from those counts, so its first run in a micro-batch (`dispatch.a2a`) waits for the
 count exchange and records the split sizes (`dispatch.splits`) that the experts, the combine
-and both backward all-to-alls use.
+and both backward all-to-alls use; `moe_expert_all_to_all` exchanges one local expert's rows
+alone (the combine's gradient split by local expert).
 """
 
 from __future__ import annotations
@@ -171,6 +172,30 @@ class MoEAllToAll(Kernel):
             state.put_pending(out_name, output, work, keepalive=(tensor,))
 
 
+@register_kernel
+class OneExpertAllToAll(Kernel):
+    """Asynchronous all-to-all of one local expert's (`attrs['expert']`) rows toward the
+    experts over the expert-parallel group: this rank's permuted rows of every rank's local
+    expert `expert` (gathered into one new tensor, which the collective keeps alive), and
+    from every rank its rows of this rank's expert, in group order: that expert's rows of
+    the sorted received rows, no inverse sort needed. The combine's backward split by local
+    expert (`moe_program.split_combine_grad`), so that one expert's backward can start while
+    the next expert's rows travel. Inputs (the permuted rows' gradient, split sizes); output
+    the expert's rows (pending), on the input's device."""
+
+    name, kind, op_class = "moe_expert_all_to_all", "comm", "all_to_all"
+
+    def run(self, op, state):
+        comm = state.collectives(op)
+        rows, splits = (state.take(name) for name in op.inputs)
+        ranges, send, receive = splits.one_expert_exchange(op.attrs["expert"])
+        tensor = torch.cat([rows[start:stop] for start, stop in ranges])
+        del rows
+        output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
+        work = comm.all_to_all_single(output, tensor, receive, send)
+        state.put_pending(op.outputs[0], output, work, keepalive=(tensor,))
+
+
 def _moe_of(state):
     return state.binding.module("mlp")
 
@@ -328,7 +353,9 @@ class ExpertRowsJoin(Kernel):
 class UnsortFromExpert(Kernel):
     """Each local expert's FC2 bias times its probabilities added to its FC2 output rows
     (when the experts have biases), then the rows back in received order. Inputs (FC2
-    output rows, [sorted probabilities,] split sizes); outputs (rows, graph)."""
+    output rows, [sorted probabilities,] split sizes); outputs (rows, graph), or the rows
+    alone, with no graph, where the backward does not run through it (the combine's
+    gradient split by expert, `moe_program.split_combine_grad`)."""
 
     name, kind, op_class = "moe_unsort", "comp", "permute"
 
@@ -350,6 +377,10 @@ class UnsortFromExpert(Kernel):
                                   in zip(experts, torch.split(rows, counts), prob_parts)])
             return moe_regions.unsort_expert_rows(moe, rows, splits)
 
+        if len(op.outputs) == 1:
+            with torch.no_grad():
+                state.put(op.outputs[0], region(entered))
+            return
         params = [expert.linear_fc2.bias for expert in experts]
         outputs, graph = LocalGraph.trace(op.id, region, entered, params)
         _put(op, state, outputs, graph)

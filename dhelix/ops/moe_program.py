@@ -7,7 +7,7 @@ the dense layer's). Forward, 13 operators:
 
 (`counts.ag` exchanges each rank's token count per expert over the expert-parallel group:
 the all-to-all split sizes are known only after routing); backward, 12 + 5 x (local
-experts) operators (one fewer when the experts have no biases):
+experts) operators with expert biases (or one local expert; one fewer without biases):
 
     bda2.bwd, unpermute.bwd, combine.a2a_grad, experts.unsort.bwd,
     for each local expert i, the last first:
@@ -15,6 +15,11 @@ experts) operators (one fewer when the experts have no biases):
         experts.fc1.dgrad.<i>, experts.fc1.wgrad.<i>,
     experts.join, experts.probs_sum, experts.sort.bwd, dispatch.a2a_grad,
     permute.bwd, router.bwd, ln2.grad_sum, ln2.bwd
+
+and with several local experts and no biases (`split_combine_grad`) 9 + 6 x (local experts):
+the combine's gradient all-to-all split by local expert, `combine.a2a_grad.<i>` for each,
+the last first, in place of `combine.a2a_grad` and `experts.unsort.bwd` (each delivers its
+expert's rows in the experts' order), and no `experts.probs_sum`.
 
 The `experts.*` operators are the rank's local experts (megatron-core's SequentialMLP) taken
 apart as the dense MLP is: the received rows sorted by local expert, each expert's FC1 GEMM
@@ -73,12 +78,46 @@ def _dims(desc) -> tuple:
     return moe, tokens, tokens * moe.topk, recv
 
 
-def _a2a(b, direction: str, op_id: str, inputs, outputs, rows: int) -> None:
+def _a2a(b, direction: str, op_id: str, inputs, outputs, rows: int,
+         kernel: str = "moe_all_to_all", **attrs) -> None:
+    """An all-to-all of `rows` token rows (this rank's, on average) over the expert-parallel
+    group; `kernel` moe_all_to_all (every local expert's rows) or moe_expert_all_to_all (one
+    expert's, `attrs['expert']`)."""
     d = b.desc
     key = cost_key("all_to_all", d.dtype, {"rows": rows, "h": d.hidden_size},
                    group_size=d.moe.ep_size, channel=d.ep_channel)
-    b.op(direction, op_id, "moe_all_to_all", COMM, "all_to_all", inputs, outputs, key,
-         group="ep", channel=d.ep_channel, to_experts=op_id in TO_EXPERTS)
+    b.op(direction, op_id, kernel, COMM, "all_to_all", inputs, outputs, key,
+         group="ep", channel=d.ep_channel, to_experts=_whole_id(op_id, attrs) in TO_EXPERTS,
+         **attrs)
+
+
+def _whole_id(op_id: str, attrs: dict) -> str:
+    """The id of the whole all-to-all that a one-expert all-to-all (`attrs['expert']`,
+    id `<whole>.<expert>`) carries a part of; `op_id` itself otherwise."""
+    return op_id.rsplit(".", 1)[0] if "expert" in attrs else op_id
+
+
+def split_combine_grad(d) -> bool:
+    """Whether the combine's backward all-to-all runs as one all-to-all per local expert
+    (`combine.a2a_grad.<i>`, the last expert's first), each delivering its expert's rows of
+    the FC2 output gradient directly (no `experts.unsort.bwd`), so that the last expert's
+    backward starts while the other experts' rows still travel (the whole all-to-all
+    otherwise stands before every expert's backward). With several local experts and no
+    expert biases (biased experts' probabilities take a gradient in the unsort's backward,
+    which keeps the one all-to-all). The same bytes move; the gradients are the same bits."""
+    return d.moe.num_local_experts > 1 and not d.add_bias_linear
+
+
+def _combine_grad_by_expert(b, routed: int) -> None:
+    """`combine.a2a_grad.<i>` for each local expert i, the last first (`split_combine_grad`):
+    the FC2 output gradient rows of expert i (`d.experts.fc2.out.<i>`) from the permuted
+    rows' gradient of every rank."""
+    d = b.desc
+    for i in reversed(range(d.moe.num_local_experts)):
+        _rows(b, f"d.experts.fc2.out.{i}", _expert_dim(d, i), d.hidden_size)
+        _a2a(b, "bwd", f"combine.a2a_grad.{i}", ["d.combine.out", "dispatch.splits"],
+             [f"d.experts.fc2.out.{i}"], routed // d.moe.num_local_experts,
+             kernel="moe_expert_all_to_all", expert=i)
 
 
 def _expert_key(b, name: str, **dims) -> str:
@@ -130,18 +169,18 @@ def _experts_forward(b, recv) -> None:
          _expert_key(b, "expert_linear.fwd", n=h, k=f), linear="linear_fc2")
     _rows(b, "experts.out", recv, h)
     probs = ["experts.probs"] if d.add_bias_linear else []
+    graph = [] if split_combine_grad(d) else [b.graph("experts.unsort.graph")]
     b.op("fwd", "experts.unsort", "moe_unsort", COMP, "permute",
-         ["experts.fc2.out", *probs, "dispatch.splits"],
-         ["experts.out", b.graph("experts.unsort.graph")],
+         ["experts.fc2.out", *probs, "dispatch.splits"], ["experts.out", *graph],
          _expert_key(b, "expert_unsort.fwd", h=h, bias=d.add_bias_linear), module="mlp")
 
 
 def _expert_gemm_backward(b, expert: int, gemm: str, grad: str, saved_input: str,
-                          grad_input: str, n: int, k: int, stacked: str) -> None:
+                          grad_input: str, n: int, k: int, stacked: str | None) -> None:
     """Expert `expert`'s dgrad and movable wgrad of its `gemm` (fc1 / fc2: n output, k input
     features) from the output gradient `grad`. `stacked` (kept as `attrs['stacked']`) is the
-    input that holds every local expert's rows (the kernels take this expert's); the other
-    is the expert's own."""
+    input that holds every local expert's rows (the kernels take this expert's); the others
+    are the expert's own (None: both are)."""
     _rows(b, grad_input, _expert_dim(b.desc, expert), k)
     b.op("bwd", f"experts.{gemm}.dgrad.{expert}", "expert_linear_dgrad", COMP, "gemm",
          [grad, "dispatch.splits"], [grad_input],
@@ -150,7 +189,7 @@ def _expert_gemm_backward(b, expert: int, gemm: str, grad: str, saved_input: str
     b.op("bwd", f"experts.{gemm}.wgrad.{expert}", "expert_linear_wgrad", COMP, "gemm",
          [grad, saved_input, "dispatch.splits"], [],
          _one_expert_key(b, "expert_linear.wgrad", n=n, k=k), movable=True,
-         linear=f"linear_{gemm}", expert=expert, stacked=(stacked,))
+         linear=f"linear_{gemm}", expert=expert, stacked=(stacked,) if stacked else ())
 
 
 def _experts_backward(b, recv) -> None:
@@ -158,26 +197,32 @@ def _experts_backward(b, recv) -> None:
     expert first, as megatron-core's autograd runs SequentialMLP's): its FC2 dgrad and
     movable wgrad, its activation's graph, its FC1 dgrad and movable wgrad; then its input
     rows' and probabilities' gradients joined in row order (`experts.join`) and, when the
-    experts have biases, the probabilities' two gradients (activation, FC2 bias) summed."""
+    experts have biases, the probabilities' two gradients (activation, FC2 bias) summed.
+    The FC2 output gradient comes from the combine's all-to-all through the unsort's
+    backward, or, split by expert (`split_combine_grad`), as each expert's own rows."""
     d = b.desc
     h, f = d.hidden_size, d.moe.ffn_hidden_size
     f1 = 2 * f if d.gated_linear_unit else f
     bias = d.add_bias_linear
     experts = range(d.moe.num_local_experts)
-    _rows(b, "d.experts.fc2.out", recv, h)
-    probs_grads = ["d.experts.probs.bias"] if bias else []
-    for name in probs_grads:
-        _rows(b, name, recv)
-    b.op("bwd", "experts.unsort.bwd", "graph_bwd", COMP, "permute",
-         ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
-         _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
-         grads_of=("x", "probs") if bias else ("x",))
+    split = split_combine_grad(d)
+    if not split:
+        _rows(b, "d.experts.fc2.out", recv, h)
+        probs_grads = ["d.experts.probs.bias"] if bias else []
+        for name in probs_grads:
+            _rows(b, name, recv)
+        b.op("bwd", "experts.unsort.bwd", "graph_bwd", COMP, "permute",
+             ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
+             _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
+             grads_of=("x", "probs") if bias else ("x",))
     act_probs = "d.experts.probs.act" if bias else "d.experts.probs"
     for i in reversed(experts):
         dim = _expert_dim(d, i)
         _rows(b, f"d.experts.act.out.{i}", dim, f)
-        _expert_gemm_backward(b, i, "fc2", "d.experts.fc2.out", f"experts.act.out.{i}",
-                              f"d.experts.act.out.{i}", n=h, k=f, stacked="d.experts.fc2.out")
+        fc2_grad = f"d.experts.fc2.out.{i}" if split else "d.experts.fc2.out"
+        _expert_gemm_backward(b, i, "fc2", fc2_grad, f"experts.act.out.{i}",
+                              f"d.experts.act.out.{i}", n=h, k=f,
+                              stacked=None if split else fc2_grad)
         _rows(b, f"d.experts.fc1.out.{i}", dim, f1)
         _rows(b, f"{act_probs}.{i}", dim)
         b.op("bwd", f"experts.act.bwd.{i}", "graph_bwd", COMP, "elementwise",
@@ -304,9 +349,12 @@ def moe_backward(b, norm_backward) -> None:
     b.op("bwd", "unpermute.bwd", "graph_bwd", COMP, "permute", ["unpermute.graph", "d.mlp.out"],
          ["d.combine.out"], b.key("unpermute.bwd", t=tokens, h=h, e=e, k=moe.topk),
          grads_of=("x",))
-    _rows(b, "d.experts.out", recv, h)
-    _a2a(b, "bwd", "combine.a2a_grad", ["d.combine.out", "dispatch.splits"], ["d.experts.out"],
-         routed)
+    if split_combine_grad(d):
+        _combine_grad_by_expert(b, routed)
+    else:
+        _rows(b, "d.experts.out", recv, h)
+        _a2a(b, "bwd", "combine.a2a_grad", ["d.combine.out", "dispatch.splits"],
+             ["d.experts.out"], routed)
     shared = has_shared_expert(d)
     if shared:  # the shared expert's backward next to the all-to-all it does not depend on
         shared_backward(b, "d.mlp.out")

@@ -92,6 +92,54 @@ def test_moe_mlp_operators():
     assert fwd["dispatch.a2a"].cost_key == "all_to_all(rows=32,h=64)/float32/g2/intra"
 
 
+def test_combine_gradient_split_by_local_expert_without_biases():
+    """Without expert biases, with two local experts, the combine's backward all-to-all runs
+    per local expert, the last first, each delivering its expert's FC2 output gradient rows
+    (no unsort backward; the forward's unsort keeps no graph), so the last expert's backward
+    depends on its own all-to-all alone."""
+    programs = build_layer_programs(replace(describe_moe(), add_bias_linear=False))
+    fwd, bwd = programs.forward, programs.backward
+    split = ["combine.a2a_grad.1", "combine.a2a_grad.0"]
+    assert bwd.ids[:4] == ["bda2.bwd", "unpermute.bwd", *split]
+    assert "combine.a2a_grad" not in bwd.ids and "experts.unsort.bwd" not in bwd.ids
+    assert fwd["experts.unsort"].outputs == ("experts.out",)
+    for i in (0, 1):
+        a2a = bwd[f"combine.a2a_grad.{i}"]
+        assert (a2a.kernel, a2a.kind, a2a.op_class) == ("moe_expert_all_to_all", "comm",
+                                                        "all_to_all")
+        assert a2a.attrs["expert"] == i and a2a.attrs["to_experts"]
+        assert a2a.deps == ("unpermute.bwd",)
+        # one expert's share of this rank's T * k = 32 routed rows
+        assert a2a.cost_key == "all_to_all(rows=16,h=64)/float32/g2/intra"
+        dgrad = bwd[f"experts.fc2.dgrad.{i}"]
+        assert dgrad.deps == (f"combine.a2a_grad.{i}",) and dgrad.attrs["stacked"] == ()
+        assert bwd[f"experts.fc2.wgrad.{i}"].attrs["stacked"] == ()
+        assert programs.values[f"d.experts.fc2.out.{i}"].shape == (VariableDim(f"recv{i}", 0,
+                                                                               32), 64)
+    assert "combine.a2a_grad.0" not in _ancestors(bwd, "experts.fc1.wgrad.1")
+    assert "combine.a2a_grad.0" in _ancestors(bwd, "experts.join")
+    # one local expert, or biased experts: the one all-to-all and the unsort's backward
+    for desc in (replace(describe_moe(num_experts=2), add_bias_linear=False), describe_moe()):
+        ids = build_layer_programs(desc).backward.ids
+        assert "combine.a2a_grad" in ids and "experts.unsort.bwd" in ids
+
+
+def test_one_expert_exchange_sends_that_expert_of_every_rank():
+    """`DispatchSplits.one_expert_exchange`: rank 1 of 2, 2 local experts (global experts 0-3,
+    rank 0 holds 0-1, rank 1 holds 2-3), its permuted rows grouped by global expert."""
+    import torch
+
+    from megatron_patches.moe_regions import DispatchSplits
+
+    splits = DispatchSplits(input_splits=(5, 9), output_splits=(7, 9), tokens_per_expert=(6, 10),
+                            per_local_expert=torch.tensor([[3, 4], [3, 6]]),
+                            sent_per_expert=(2, 3, 3, 6))
+    # local expert 0: global expert 0 (rows 0-1) to rank 0, global expert 2 (rows 5-7) to
+    # rank 1; received: 3 rows from each rank
+    assert splits.one_expert_exchange(0) == ([(0, 2), (5, 8)], [2, 3], [3, 3])
+    assert splits.one_expert_exchange(1) == ([(2, 5), (8, 14)], [3, 6], [4, 6])
+
+
 def test_all_to_all_channel_follows_the_expert_parallel_group():
     def channels(**kw):
         programs = build_layer_programs(describe_moe(**kw))
