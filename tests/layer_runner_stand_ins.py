@@ -12,11 +12,12 @@ CPU = torch.device("cpu")  # stand-ins compute nothing; their tensors are placeh
 
 
 class StandInProgram(dict):
-    """A program's operators by id (`kind` "comm" for ids in `collectives`, else "comp")
-    and `ids`, their program order."""
+    """A program's operators by id (`kind` "comm" for ids in `collectives`, else "comp";
+    no all-to-all, no dependencies, nothing movable) and `ids`, their program order."""
 
     def __init__(self, ids: tuple, collectives: tuple = ()):
-        super().__init__({op: SimpleNamespace(kind="comm" if op in collectives else "comp")
+        super().__init__({op: SimpleNamespace(kind="comm" if op in collectives else "comp",
+                                              op_class="stand-in", deps=(), movable=False)
                           for op in ids})
         self.ids = list(ids)
 

@@ -53,3 +53,26 @@ def test_a_lone_layer_runs_its_program_order_and_a_pair_the_plan():
                       [torch.ones(4, device=CPU)])
     backward_ran = [op for op in ran if op in BWD]
     assert backward_ran == list(PLAN_BWD)  # the plan's order inside its blocks
+
+
+def test_a_lone_moe_backward_runs_a_weight_gradient_beside_its_dispatch_gradient():
+    """The one change to the program's order: the dispatch all-to-all's gradient, read at
+    once by `permute.bwd`, takes the last expert's FC1 weight gradient (the nearest movable
+    operator before it) to run while it travels; every dependency kept, the forward and a
+    dense layer's backward in program order."""
+    from dataclasses import replace
+
+    from dhelix.ops.layer_program import build_layer_programs
+    from tests.ops.test_moe_programs import describe_moe
+
+    for desc in (describe_moe(), replace(describe_moe(), add_bias_linear=False)):
+        programs = build_layer_programs(desc)
+        order = list(alone_order(programs, "bwd"))
+        programs.backward.check_order(order)
+        at = order.index("dispatch.a2a_grad")
+        assert order[at + 1:at + 3] == ["experts.fc1.wgrad.0", "permute.bwd"]
+        moved = [op for op in programs.backward.ids if op != "experts.fc1.wgrad.0"]
+        assert [op for op in order if op != "experts.fc1.wgrad.0"] == moved
+        assert alone_order(programs, "fwd") == tuple(programs.forward.ids)
+    dense = build_layer_programs(replace(describe_moe(), moe=None))
+    assert alone_order(dense, "bwd") == tuple(dense.backward.ids)
