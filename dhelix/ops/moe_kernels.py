@@ -12,10 +12,7 @@ pending: `moe_token_counts` all-gathers each rank's token count per expert;
 derived from those counts, so its first run in a micro-batch (`dispatch.a2a`) waits for the
 count exchange and records the split sizes (`dispatch.splits`) that the experts, the combine
 and both backward all-to-alls use; `moe_expert_all_to_all` exchanges one local expert's rows
-alone (the token exchange split by local expert, `moe_program.split_by_expert`, whose
-experts' forward runs one expert per operator: `one_expert_linear_fwd`,
-`one_expert_activation`; `expert_rows_interleave` puts the dispatch gradient's parts back
-in the permuted order).
+alone (the combine's gradient split by local expert).
 """
 
 from __future__ import annotations
@@ -144,29 +141,6 @@ class Permute(Kernel):
             state.put(name, value)
 
 
-def _splits(op, state, comm):
-    """(the layer's `DispatchSplits`, the outputs left for the exchanged tensors) of an
-    all-to-all whose last input is the exchanged token counts (the micro-batch's first:
-    it waits for their exchange, derives the split sizes and outputs them last) or the split
-    sizes themselves."""
-    meta = state.take(op.inputs[-1])
-    if isinstance(meta, moe_regions.DispatchSplits):
-        return meta, op.outputs
-    splits = moe_regions.dispatch_splits(_moe_of(state), meta, comm.rank())
-    *outputs, splits_name = op.outputs
-    state.put(splits_name, splits)
-    return splits, outputs
-
-
-def _exchange(comm, state, out_name: str, tensor, send, receive) -> None:
-    """Issue the all-to-all of `tensor` (`send` rows to each rank, `receive` from each) into
-    a new tensor on its device, stored as the pending value `out_name` (the collective keeps
-    `tensor` alive)."""
-    output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
-    work = comm.all_to_all_single(output, tensor, list(receive), list(send))
-    state.put_pending(out_name, output, work, keepalive=(tensor,))
-
-
 @register_kernel
 class MoEAllToAll(Kernel):
     """Asynchronous all-to-all of token rows over the expert-parallel group, one
@@ -180,42 +154,46 @@ class MoEAllToAll(Kernel):
 
     def run(self, op, state):
         comm = state.collectives(op)
-        splits, outputs = _splits(op, state, comm)
+        *tensor_names, meta_name = op.inputs
+        meta = state.take(meta_name)
+        if isinstance(meta, moe_regions.DispatchSplits):
+            splits, outputs = meta, op.outputs
+        else:  # the counts: wait for their exchange, derive and hand on the split sizes
+            splits = moe_regions.dispatch_splits(_moe_of(state), meta, comm.rank())
+            *outputs, splits_name = op.outputs
+            state.put(splits_name, splits)
         send, receive = splits.input_splits, splits.output_splits
         if not op.attrs["to_experts"]:
             send, receive = receive, send
-        for name, out_name in zip(op.inputs[:-1], outputs):
-            _exchange(comm, state, out_name, state.take(name).contiguous(), send, receive)
+        for name, out_name in zip(tensor_names, outputs):
+            tensor = state.take(name).contiguous()
+            output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
+            work = comm.all_to_all_single(output, tensor, list(receive), list(send))
+            state.put_pending(out_name, output, work, keepalive=(tensor,))
 
 
 @register_kernel
 class OneExpertAllToAll(Kernel):
-    """Asynchronous all-to-all of one local expert's (`attrs['expert']`) rows over the
-    expert-parallel group, one collective per input tensor, split sizes as
-    `MoEAllToAll`'s (the counts or the sizes, last input). Toward the experts
-    (`attrs['to_experts']`) this rank sends its rows of every rank's local expert i, in
-    group order, and receives every rank's rows of its own expert i: that expert's rows in
-    the order the whole exchange's sort gives them. With `attrs['gather']` the inputs are
-    the whole permuted rows and this expert's are gathered into a new send buffer; without,
-    the input is already that expert's rows (an `interleave` part). Back from the experts,
-    the reverse. The layer's token exchange split by local expert
-    (`moe_program.split_by_expert`), so one expert's computation runs while the next
-    expert's rows travel. Pending outputs on the inputs' device."""
+    """Asynchronous all-to-all of one local expert's (`attrs['expert']`) rows toward the
+    experts over the expert-parallel group: this rank's permuted rows of every rank's local
+    expert `expert` (gathered into one new tensor, which the collective keeps alive), and
+    from every rank its rows of this rank's expert, in group order: that expert's rows of
+    the sorted received rows, no inverse sort needed. The combine's backward split by local
+    expert (`moe_program.split_combine_grad`), so that one expert's backward can start while
+    the next expert's rows travel. Inputs (the permuted rows' gradient, split sizes); output
+    the expert's rows (pending), on the input's device."""
 
     name, kind, op_class = "moe_expert_all_to_all", "comm", "all_to_all"
 
     def run(self, op, state):
         comm = state.collectives(op)
-        splits, outputs = _splits(op, state, comm)
-        ranges, to_ranks, at_expert = splits.one_expert_exchange(op.attrs["expert"])
-        send, receive = (to_ranks, at_expert) if op.attrs["to_experts"] else (at_expert,
-                                                                              to_ranks)
-        for name, out_name in zip(op.inputs[:-1], outputs):
-            rows = state.take(name)
-            tensor = (torch.cat([rows[start:stop] for start, stop in ranges])
-                      if op.attrs.get("gather") else rows.contiguous())
-            del rows
-            _exchange(comm, state, out_name, tensor, send, receive)
+        rows, splits = (state.take(name) for name in op.inputs)
+        ranges, send, receive = splits.one_expert_exchange(op.attrs["expert"])
+        tensor = torch.cat([rows[start:stop] for start, stop in ranges])
+        del rows
+        output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
+        work = comm.all_to_all_single(output, tensor, receive, send)
+        state.put_pending(op.outputs[0], output, work, keepalive=(tensor,))
 
 
 def _moe_of(state):
@@ -291,61 +269,6 @@ class ExpertLinearForward(Kernel):
                 state.put(op.outputs[i], torch.matmul(chunk, linear.weight.t()))
         if stacked_out:
             state.put(op.outputs[0], output)
-
-
-@register_kernel
-class OneExpertLinearForward(Kernel):
-    """One local expert's (`attrs['expert']`) GEMM (`attrs['linear']`) on its own rows,
-    `rows_i @ W_i^T` as `ExpertLinearForward` computes it, after the linear's forward
-    pre-hooks. Input the expert's rows; output its GEMM's rows (the token exchange split by
-    expert, `moe_program.split_by_expert`)."""
-
-    name, kind, op_class = "one_expert_linear_fwd", "comp", "gemm"
-
-    def run(self, op, state):
-        linear, _ = _expert_linear(state, op)
-        rows = state.take(op.inputs[0])
-        run_forward_pre_hooks(linear, (rows,))
-        state.put(op.outputs[0], torch.matmul(rows, linear.weight.t()))
-
-
-@register_kernel
-class OneExpertActivation(Kernel):
-    """`ExpertActivation` for one local expert (`attrs['expert']`) on its own rows and
-    probabilities. Inputs (FC1 output rows, probabilities); outputs (activation rows,
-    graph)."""
-
-    name, kind, op_class = "one_expert_activation", "comp", "elementwise"
-
-    def run(self, op, state):
-        expert = _experts(state)[op.attrs["expert"]]
-        rows, probs = (state.take(name) for name in op.inputs)
-
-        def region(inputs):
-            return expert_activation(expert, lambda: inputs.pop("x"), inputs.pop("probs"))
-
-        (output,), graph = LocalGraph.trace(op.id, region, {"x": rows, "probs": probs},
-                                            [expert.linear_fc1.bias])
-        state.put(op.outputs[0], output)
-        state.put(op.outputs[1], graph)
-
-
-@register_kernel
-class ExpertRowsInterleave(Kernel):
-    """This rank's permuted rows back from per-local-expert parts
-    (`DispatchSplits.interleave`; the dispatch gradient split by expert). Inputs: each
-    output's parts, one per local expert, output by output, then the split sizes; outputs:
-    the rows in permuted order."""
-
-    name, kind, op_class = "expert_rows_interleave", "comp", "permute"
-
-    def run(self, op, state):
-        *names, splits_name = op.inputs
-        splits = state.take(splits_name)
-        per_output = len(names) // len(op.outputs)
-        for k, name in enumerate(op.outputs):
-            parts = [state.take(n) for n in names[k * per_output:(k + 1) * per_output]]
-            state.put(name, splits.interleave(parts))
 
 
 @register_kernel
@@ -430,7 +353,9 @@ class ExpertRowsJoin(Kernel):
 class UnsortFromExpert(Kernel):
     """Each local expert's FC2 bias times its probabilities added to its FC2 output rows
     (when the experts have biases), then the rows back in received order. Inputs (FC2
-    output rows, [sorted probabilities,] split sizes); outputs (rows, graph)."""
+    output rows, [sorted probabilities,] split sizes); outputs (rows, graph), or the rows
+    alone, with no graph, where the backward does not run through it (the combine's
+    gradient split by expert, `moe_program.split_combine_grad`)."""
 
     name, kind, op_class = "moe_unsort", "comp", "permute"
 
@@ -452,6 +377,10 @@ class UnsortFromExpert(Kernel):
                                   in zip(experts, torch.split(rows, counts), prob_parts)])
             return moe_regions.unsort_expert_rows(moe, rows, splits)
 
+        if len(op.outputs) == 1:
+            with torch.no_grad():
+                state.put(op.outputs[0], region(entered))
+            return
         params = [expert.linear_fc2.bias for expert in experts]
         outputs, graph = LocalGraph.trace(op.id, region, entered, params)
         _put(op, state, outputs, graph)
@@ -470,31 +399,18 @@ def _experts(state) -> list:
 @register_kernel
 class Unpermute(Kernel):
     """Combined expert rows summed back into token order ([s, b, h]). Inputs (rows,
-    permutation rows, routing map); outputs (MLP output, graph). With `attrs['parts']` =
-    n the rows come as n per-local-expert parts (the combine split by expert) and the split
-    sizes as a last input: interleaved into the permuted order inside the traced region
-    (`DispatchSplits.interleave`), so its backward gives each part's gradient (region
-    inputs `x0` ... `x<n-1>`)."""
+    permutation rows, routing map); outputs (MLP output, graph)."""
 
     name, kind, op_class = "moe_unpermute", "comp", "permute"
 
     def run(self, op, state):
         moe = _moe(state, op)
-        parts = op.attrs.get("parts", 0)
-        entered = {f"x{i}": state.take(name) for i, name in enumerate(op.inputs[:parts])}
-        if not parts:
-            entered = {"x": state.take(op.inputs[0])}
-            parts = 1
-        permutation, routing_map = (state.take(name) for name in op.inputs[parts:parts + 2])
-        splits = state.take(op.inputs[-1]) if op.attrs.get("parts") else None
+        rows, permutation, routing_map = (state.take(name) for name in op.inputs)
         shape = state.programs.values[op.outputs[0]].shape
-
-        def region(inputs):
-            rows = (inputs.pop("x") if splits is None else
-                    splits.interleave([inputs.pop(f"x{i}") for i in range(parts)]))
-            return moe_regions.unpermute_tokens(moe, rows, permutation, routing_map, shape)
-
-        (output,), graph = LocalGraph.trace(op.id, region, entered, ())
+        (output,), graph = LocalGraph.trace(
+            op.id, lambda inputs: moe_regions.unpermute_tokens(
+                moe, inputs.pop("x"), permutation, routing_map, shape),
+            {"x": rows}, ())
         state.put(op.outputs[0], output)
         state.put(op.outputs[1], graph)
 

@@ -92,69 +92,41 @@ def test_moe_mlp_operators():
     assert fwd["dispatch.a2a"].cost_key == "all_to_all(rows=32,h=64)/float32/g2/intra"
 
 
-def test_token_exchange_split_by_local_expert_without_biases():
-    """Without expert biases, with two local experts, the dispatch and the combine (and
-    their gradients) run one all-to-all per local expert: the experts' rows arrive in the
-    order the whole exchange's sort gives them (no sort, no inverse sort), each expert's
-    forward is its own FC1 / activation / FC2, `unpermute` takes the combine's parts, and
-    `dispatch.join` interleaves the dispatch gradient's parts; so expert 0's forward reads
-    its own dispatch alone and the last expert's backward its own combine gradient."""
+def test_combine_gradient_split_by_local_expert_without_biases():
+    """Without expert biases, with two local experts, the combine's backward all-to-all runs
+    per local expert, the last first, each delivering its expert's FC2 output gradient rows
+    (no unsort backward; the forward's unsort keeps no graph), so the last expert's backward
+    depends on its own all-to-all alone."""
     programs = build_layer_programs(replace(describe_moe(), add_bias_linear=False))
     fwd, bwd = programs.forward, programs.backward
-    assert fwd.ids[5:] == ["ln2", "router", "counts.ag", "permute", "dispatch.a2a.0",
-                           "dispatch.a2a.1", "experts.fc1.0", "experts.act.0", "experts.fc2.0",
-                           "combine.a2a.0", "experts.fc1.1", "experts.act.1", "experts.fc2.1",
-                           "combine.a2a.1", "unpermute", "bda2"]
-    chain = ["experts.fc2.dgrad.{i}", "experts.fc2.wgrad.{i}", "experts.act.bwd.{i}",
-             "experts.fc1.dgrad.{i}", "dispatch.a2a_grad.{i}", "experts.fc1.wgrad.{i}"]
-    assert bwd.ids[:len(bwd.ids) - 11] == [
-        "bda2.bwd", "unpermute.bwd", "combine.a2a_grad.1", "combine.a2a_grad.0",
-        *(op.format(i=1) for op in chain), *(op.format(i=0) for op in chain), "dispatch.join"]
-    # the attention half's 5 forward and 7 backward operators, the MoE half's 6 + 5 x 2 and
-    # 7 + 7 x 2
-    assert len(fwd) == 5 + 6 + 5 * 2 and len(bwd) == 7 + 7 + 7 * 2
-    comm = {op.id: op for program in (fwd, bwd) for op in program.ops if op.kind == "comm"}
-    a2a = {op_id: op for op_id, op in comm.items() if op.op_class == "all_to_all"}
-    assert sorted(a2a) == sorted(f"{whole}.{i}" for whole in ("dispatch.a2a", "combine.a2a",
-                                                            "combine.a2a_grad",
-                                                            "dispatch.a2a_grad")
-                                 for i in (0, 1))
-    for op_id, op in a2a.items():
-        whole, i = op_id.rsplit(".", 1)
-        assert op.kernel == "moe_expert_all_to_all" and op.attrs["expert"] == int(i)
-        assert op.attrs["to_experts"] == (whole in ("dispatch.a2a", "combine.a2a_grad"))
-        assert op.attrs["gather"] == (whole == "dispatch.a2a")
+    split = ["combine.a2a_grad.1", "combine.a2a_grad.0"]
+    assert bwd.ids[:4] == ["bda2.bwd", "unpermute.bwd", *split]
+    assert "combine.a2a_grad" not in bwd.ids and "experts.unsort.bwd" not in bwd.ids
+    assert fwd["experts.unsort"].outputs == ("experts.out",)
+    for i in (0, 1):
+        a2a = bwd[f"combine.a2a_grad.{i}"]
+        assert (a2a.kernel, a2a.kind, a2a.op_class) == ("moe_expert_all_to_all", "comm",
+                                                        "all_to_all")
+        assert a2a.attrs["expert"] == i and a2a.attrs["to_experts"]
+        assert a2a.deps == ("unpermute.bwd",)
         # one expert's share of this rank's T * k = 32 routed rows
-        assert op.cost_key == "all_to_all(rows=16,h=64)/float32/g2/intra"
-    # the first dispatch derives the split sizes from the counts; the second reads them
-    assert fwd["dispatch.a2a.0"].outputs[-1] == "dispatch.splits"
-    assert set(fwd["dispatch.a2a.1"].deps) == {"permute", "dispatch.a2a.0"}
-    assert fwd["experts.fc1.0"].deps == ("dispatch.a2a.0",)
-    assert fwd["experts.fc1.0"].cost_key == ("expert_linear.fwd(rows=16,experts=1,n=96,k=64)"
-                                             "/float32")
-    assert fwd["unpermute"].inputs[:2] == ("combine.out.0", "combine.out.1")
-    assert fwd["unpermute"].attrs["parts"] == 2
-    assert programs.values["combine.out.1"].shape == (VariableDim("sent1", 0, 32), 64)
-    assert programs.values["experts.in.1"].shape == (VariableDim("recv1", 0, 32), 64)
-    assert bwd["unpermute.bwd"].outputs == ("d.combine.out.0", "d.combine.out.1")
-    assert bwd["experts.fc2.dgrad.1"].deps == ("combine.a2a_grad.1",)
+        assert a2a.cost_key == "all_to_all(rows=16,h=64)/float32/g2/intra"
+        dgrad = bwd[f"experts.fc2.dgrad.{i}"]
+        assert dgrad.deps == (f"combine.a2a_grad.{i}",) and dgrad.attrs["stacked"] == ()
+        assert bwd[f"experts.fc2.wgrad.{i}"].attrs["stacked"] == ()
+        assert programs.values[f"d.experts.fc2.out.{i}"].shape == (VariableDim(f"recv{i}", 0,
+                                                                               32), 64)
     assert "combine.a2a_grad.0" not in _ancestors(bwd, "experts.fc1.wgrad.1")
-    assert set(bwd["dispatch.join"].deps) == {"dispatch.a2a_grad.0", "dispatch.a2a_grad.1"}
-    assert bwd["permute.bwd"].deps[0] == "dispatch.join"
-    assert all(op.attrs.get("stacked", ()) == () for op in bwd.ops)
-    assert "experts.in.0" in programs.saved and "experts.in" not in programs.values
-    # one local expert, or biased experts: the whole exchanges, sort and inverse sort
+    assert "combine.a2a_grad.0" in _ancestors(bwd, "experts.join")
+    # one local expert, or biased experts: the one all-to-all and the unsort's backward
     for desc in (replace(describe_moe(num_experts=2), add_bias_linear=False), describe_moe()):
-        one = build_layer_programs(desc)
-        assert {"dispatch.a2a", "experts.sort", "combine.a2a"} <= set(one.forward.ids)
-        assert {"combine.a2a_grad", "experts.unsort.bwd", "dispatch.a2a_grad"} <= set(
-            one.backward.ids)
+        ids = build_layer_programs(desc).backward.ids
+        assert "combine.a2a_grad" in ids and "experts.unsort.bwd" in ids
 
 
 def test_one_expert_exchange_sends_that_expert_of_every_rank():
-    """`DispatchSplits.one_expert_exchange` and `interleave`: rank 1 of 2, 2 local experts
-    (global experts 0-3, rank 0 holds 0-1, rank 1 holds 2-3), its permuted rows grouped by
-    global expert."""
+    """`DispatchSplits.one_expert_exchange`: rank 1 of 2, 2 local experts (global experts 0-3,
+    rank 0 holds 0-1, rank 1 holds 2-3), its permuted rows grouped by global expert."""
     import torch
 
     from megatron_patches.moe_regions import DispatchSplits
@@ -166,12 +138,6 @@ def test_one_expert_exchange_sends_that_expert_of_every_rank():
     # rank 1; received: 3 rows from each rank
     assert splits.one_expert_exchange(0) == ([(0, 2), (5, 8)], [2, 3], [3, 3])
     assert splits.one_expert_exchange(1) == ([(2, 5), (8, 14)], [3, 6], [4, 6])
-    # `interleave` undoes the gather of those ranges (each row's value is its index)
-    rows = torch.arange(14.0)
-    parts = [torch.cat([rows[a:b] for a, b in splits.one_expert_exchange(i)[0]])
-             for i in (0, 1)]
-    assert torch.equal(parts[0], torch.tensor([0.0, 1, 5, 6, 7]))
-    assert torch.equal(splits.interleave(parts), rows)
 
 
 def test_all_to_all_channel_follows_the_expert_parallel_group():
