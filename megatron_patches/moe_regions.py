@@ -155,17 +155,6 @@ class DispatchSplits:
         receive = [int(n) for n in self.per_local_expert[:, local_expert].tolist()]
         return ranges, [stop - start for start, stop in ranges], receive
 
-    def interleave(self, parts: list) -> torch.Tensor:
-        """This rank's permuted rows (grouped by global expert, in expert order) from
-        `parts`, one tensor per local expert i holding the rows of every rank's local
-        expert i in group order (what `one_expert_exchange(i)` sends or gets back): split
-        and concatenated, differentiable, a copy (the inverse of the gather the exchange
-        makes)."""
-        local = len(parts)
-        sizes = self.sent_per_expert
-        pieces = [torch.split(part, list(sizes[i::local])) for i, part in enumerate(parts)]
-        return torch.cat([pieces[e % local][e // local] for e in range(len(sizes))])
-
 
 def dispatch_splits(moe_layer, gathered: torch.Tensor, ep_rank: int) -> DispatchSplits:
     """The alltoall dispatcher's `preprocess` for expert tensor parallelism 1 (dropless)

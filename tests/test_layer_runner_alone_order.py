@@ -65,17 +65,14 @@ def test_a_lone_moe_backward_runs_a_weight_gradient_beside_its_dispatch_gradient
     from dhelix.ops.layer_program import build_layer_programs
     from tests.ops.test_moe_programs import describe_moe
 
-    programs = build_layer_programs(describe_moe())  # biased experts: the whole exchange
-    order = list(alone_order(programs, "bwd"))
-    programs.backward.check_order(order)
-    at = order.index("dispatch.a2a_grad")
-    assert order[at + 1:at + 3] == ["experts.fc1.wgrad.0", "permute.bwd"]
-    moved = [op for op in programs.backward.ids if op != "experts.fc1.wgrad.0"]
-    assert [op for op in order if op != "experts.fc1.wgrad.0"] == moved
-    assert alone_order(programs, "fwd") == tuple(programs.forward.ids)
-    # the backward exchange by expert already issues each dispatch gradient before that
-    # expert's FC1 wgrad; a dense layer has no all-to-all: program order
-    for desc in (replace(describe_moe(), add_bias_linear=False),
-                 replace(describe_moe(), moe=None)):
-        other = build_layer_programs(desc)
-        assert alone_order(other, "bwd") == tuple(other.backward.ids)
+    for desc in (describe_moe(), replace(describe_moe(), add_bias_linear=False)):
+        programs = build_layer_programs(desc)
+        order = list(alone_order(programs, "bwd"))
+        programs.backward.check_order(order)
+        at = order.index("dispatch.a2a_grad")
+        assert order[at + 1:at + 3] == ["experts.fc1.wgrad.0", "permute.bwd"]
+        moved = [op for op in programs.backward.ids if op != "experts.fc1.wgrad.0"]
+        assert [op for op in order if op != "experts.fc1.wgrad.0"] == moved
+        assert alone_order(programs, "fwd") == tuple(programs.forward.ids)
+    dense = build_layer_programs(replace(describe_moe(), moe=None))
+    assert alone_order(dense, "bwd") == tuple(dense.backward.ids)

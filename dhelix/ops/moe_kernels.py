@@ -12,8 +12,7 @@ pending: `moe_token_counts` all-gathers each rank's token count per expert;
 derived from those counts, so its first run in a micro-batch (`dispatch.a2a`) waits for the
 count exchange and records the split sizes (`dispatch.splits`) that the experts, the combine
 and both backward all-to-alls use; `moe_expert_all_to_all` exchanges one local expert's rows
-alone (the backward's all-to-alls split by local expert; `expert_rows_interleave` puts the
-dispatch gradient's parts back in the permuted order).
+alone (the combine's gradient split by local expert).
 """
 
 from __future__ import annotations
@@ -142,29 +141,6 @@ class Permute(Kernel):
             state.put(name, value)
 
 
-def _splits(op, state, comm):
-    """(the layer's `DispatchSplits`, the outputs left for the exchanged tensors) of an
-    all-to-all whose last input is the exchanged token counts (the micro-batch's first:
-    it waits for their exchange, derives the split sizes and outputs them last) or the split
-    sizes themselves."""
-    meta = state.take(op.inputs[-1])
-    if isinstance(meta, moe_regions.DispatchSplits):
-        return meta, op.outputs
-    splits = moe_regions.dispatch_splits(_moe_of(state), meta, comm.rank())
-    *outputs, splits_name = op.outputs
-    state.put(splits_name, splits)
-    return splits, outputs
-
-
-def _exchange(comm, state, out_name: str, tensor, send, receive) -> None:
-    """Issue the all-to-all of `tensor` (`send` rows to each rank, `receive` from each) into
-    a new tensor on its device, stored as the pending value `out_name` (the collective keeps
-    `tensor` alive)."""
-    output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
-    work = comm.all_to_all_single(output, tensor, list(receive), list(send))
-    state.put_pending(out_name, output, work, keepalive=(tensor,))
-
-
 @register_kernel
 class MoEAllToAll(Kernel):
     """Asynchronous all-to-all of token rows over the expert-parallel group, one
@@ -178,43 +154,46 @@ class MoEAllToAll(Kernel):
 
     def run(self, op, state):
         comm = state.collectives(op)
-        splits, outputs = _splits(op, state, comm)
+        *tensor_names, meta_name = op.inputs
+        meta = state.take(meta_name)
+        if isinstance(meta, moe_regions.DispatchSplits):
+            splits, outputs = meta, op.outputs
+        else:  # the counts: wait for their exchange, derive and hand on the split sizes
+            splits = moe_regions.dispatch_splits(_moe_of(state), meta, comm.rank())
+            *outputs, splits_name = op.outputs
+            state.put(splits_name, splits)
         send, receive = splits.input_splits, splits.output_splits
         if not op.attrs["to_experts"]:
             send, receive = receive, send
-        for name, out_name in zip(op.inputs[:-1], outputs):
-            _exchange(comm, state, out_name, state.take(name).contiguous(), send, receive)
+        for name, out_name in zip(tensor_names, outputs):
+            tensor = state.take(name).contiguous()
+            output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
+            work = comm.all_to_all_single(output, tensor, list(receive), list(send))
+            state.put_pending(out_name, output, work, keepalive=(tensor,))
 
 
 @register_kernel
 class OneExpertAllToAll(Kernel):
-    """Asynchronous all-to-all of one local expert's (`attrs['expert']`) rows over the
-    expert-parallel group, one collective per input tensor, split sizes as
-    `MoEAllToAll`'s (the counts or the sizes, last input). Toward the experts
-    (`attrs['to_experts']`) this rank sends its rows of every rank's local expert i, in
-    group order, and receives every rank's rows of its own expert i: that expert's rows in
-    the order the whole exchange's sort gives them. With `attrs['gather']` the inputs are
-    the whole permuted rows and this expert's are gathered into a new send buffer; without,
-    the input is already that expert's rows. Back from the experts, the reverse (the parts
-    `DispatchSplits.interleave` puts together). The backward's exchange split by local
-    expert (`moe_program.backward_exchange_by_expert`: the combine's gradient gathered
-    toward the experts, the dispatch's gradient back), so one expert's backward runs while
-    another expert's rows travel. Pending outputs on the inputs' device."""
+    """Asynchronous all-to-all of one local expert's (`attrs['expert']`) rows toward the
+    experts over the expert-parallel group: this rank's permuted rows of every rank's local
+    expert `expert` (gathered into one new tensor, which the collective keeps alive), and
+    from every rank its rows of this rank's expert, in group order: that expert's rows of
+    the sorted received rows, no inverse sort needed. The combine's backward split by local
+    expert (`moe_program.split_combine_grad`), so that one expert's backward can start while
+    the next expert's rows travel. Inputs (the permuted rows' gradient, split sizes); output
+    the expert's rows (pending), on the input's device."""
 
     name, kind, op_class = "moe_expert_all_to_all", "comm", "all_to_all"
 
     def run(self, op, state):
         comm = state.collectives(op)
-        splits, outputs = _splits(op, state, comm)
-        ranges, to_ranks, at_expert = splits.one_expert_exchange(op.attrs["expert"])
-        send, receive = (to_ranks, at_expert) if op.attrs["to_experts"] else (at_expert,
-                                                                              to_ranks)
-        for name, out_name in zip(op.inputs[:-1], outputs):
-            rows = state.take(name)
-            tensor = (torch.cat([rows[start:stop] for start, stop in ranges])
-                      if op.attrs.get("gather") else rows.contiguous())
-            del rows
-            _exchange(comm, state, out_name, tensor, send, receive)
+        rows, splits = (state.take(name) for name in op.inputs)
+        ranges, send, receive = splits.one_expert_exchange(op.attrs["expert"])
+        tensor = torch.cat([rows[start:stop] for start, stop in ranges])
+        del rows
+        output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
+        work = comm.all_to_all_single(output, tensor, receive, send)
+        state.put_pending(op.outputs[0], output, work, keepalive=(tensor,))
 
 
 def _moe_of(state):
@@ -224,21 +203,13 @@ def _moe_of(state):
 @register_kernel
 class SortByExpert(Kernel):
     """Received rows and probabilities sorted by local expert. Inputs (rows, row
-    probabilities, split sizes); outputs (sorted rows, sorted probabilities, graph), or no
-    graph where the backward does not run through it (the backward's exchange by expert,
-    `moe_program.backward_exchange_by_expert`)."""
+    probabilities, split sizes); outputs (sorted rows, sorted probabilities, graph)."""
 
     name, kind, op_class = "moe_sort", "comp", "permute"
 
     def run(self, op, state):
         moe = _moe(state, op)
         tokens, probs, splits = (state.take(name) for name in op.inputs)
-        if len(op.outputs) == 2:
-            with torch.no_grad():
-                sorted_rows = moe_regions.sort_received(moe, tokens, probs, splits)
-            for name, value in zip(op.outputs, sorted_rows):
-                state.put(name, value)
-            return
         outputs, graph = LocalGraph.trace(
             op.id, lambda inputs: moe_regions.sort_received(
                 moe, inputs.pop("x"), inputs.pop("probs"), splits),
@@ -298,24 +269,6 @@ class ExpertLinearForward(Kernel):
                 state.put(op.outputs[i], torch.matmul(chunk, linear.weight.t()))
         if stacked_out:
             state.put(op.outputs[0], output)
-
-
-@register_kernel
-class ExpertRowsInterleave(Kernel):
-    """This rank's permuted rows back from per-local-expert parts
-    (`DispatchSplits.interleave`; the dispatch gradient split by expert). Inputs: each
-    output's parts, one per local expert, output by output, then the split sizes; outputs:
-    the rows in permuted order."""
-
-    name, kind, op_class = "expert_rows_interleave", "comp", "permute"
-
-    def run(self, op, state):
-        *names, splits_name = op.inputs
-        splits = state.take(splits_name)
-        per_output = len(names) // len(op.outputs)
-        for k, name in enumerate(op.outputs):
-            parts = [state.take(n) for n in names[k * per_output:(k + 1) * per_output]]
-            state.put(name, splits.interleave(parts))
 
 
 @register_kernel
@@ -401,8 +354,8 @@ class UnsortFromExpert(Kernel):
     """Each local expert's FC2 bias times its probabilities added to its FC2 output rows
     (when the experts have biases), then the rows back in received order. Inputs (FC2
     output rows, [sorted probabilities,] split sizes); outputs (rows, graph), or the rows
-    alone, with no graph, where the backward does not run through it (the backward's
-    exchange by expert, `moe_program.backward_exchange_by_expert`)."""
+    alone, with no graph, where the backward does not run through it (the combine's
+    gradient split by expert, `moe_program.split_combine_grad`)."""
 
     name, kind, op_class = "moe_unsort", "comp", "permute"
 

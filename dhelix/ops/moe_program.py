@@ -16,18 +16,10 @@ experts) operators with expert biases (or one local expert; one fewer without bi
     experts.join, experts.probs_sum, experts.sort.bwd, dispatch.a2a_grad,
     permute.bwd, router.bwd, ln2.grad_sum, ln2.bwd
 
-and with several local experts and no biases, where the backward's all-to-alls run one per
-local expert (`backward_exchange_by_expert`), 7 + 7 x (local experts):
-
-    bda2.bwd, unpermute.bwd, combine.a2a_grad.<i> for each local expert, the last first,
-    for each local expert i, the last first:
-        experts.fc2.dgrad.<i>, experts.fc2.wgrad.<i>, experts.act.bwd.<i>,
-        experts.fc1.dgrad.<i>, dispatch.a2a_grad.<i>, experts.fc1.wgrad.<i>,
-    dispatch.join, permute.bwd, router.bwd, ln2.grad_sum, ln2.bwd
-
-(kernel `moe_expert_all_to_all`: each carries the rows of one local expert of every rank,
-in the order the experts' sort gives them, so the forward's sort and inverse sort keep no
-graph; `dispatch.join` puts the dispatch gradient's parts back in the permuted order).
+and with several local experts and no biases (`split_combine_grad`) 9 + 6 x (local experts):
+the combine's gradient all-to-all split by local expert, `combine.a2a_grad.<i>` for each,
+the last first, in place of `combine.a2a_grad` and `experts.unsort.bwd` (each delivers its
+expert's rows in the experts' order), and no `experts.probs_sum`.
 
 The `experts.*` operators are the rank's local experts (megatron-core's SequentialMLP) taken
 apart as the dense MLP is: the received rows sorted by local expert, each expert's FC1 GEMM
@@ -86,47 +78,46 @@ def _dims(desc) -> tuple:
     return moe, tokens, tokens * moe.topk, recv
 
 
-def _a2a(b, direction: str, op_id: str, inputs, outputs, rows: int) -> None:
+def _a2a(b, direction: str, op_id: str, inputs, outputs, rows: int,
+         kernel: str = "moe_all_to_all", **attrs) -> None:
+    """An all-to-all of `rows` token rows (this rank's, on average) over the expert-parallel
+    group; `kernel` moe_all_to_all (every local expert's rows) or moe_expert_all_to_all (one
+    expert's, `attrs['expert']`)."""
     d = b.desc
     key = cost_key("all_to_all", d.dtype, {"rows": rows, "h": d.hidden_size},
                    group_size=d.moe.ep_size, channel=d.ep_channel)
-    b.op(direction, op_id, "moe_all_to_all", COMM, "all_to_all", inputs, outputs, key,
-         group="ep", channel=d.ep_channel, to_experts=op_id in TO_EXPERTS)
+    b.op(direction, op_id, kernel, COMM, "all_to_all", inputs, outputs, key,
+         group="ep", channel=d.ep_channel, to_experts=_whole_id(op_id, attrs) in TO_EXPERTS,
+         **attrs)
 
 
-def backward_exchange_by_expert(d) -> bool:
-    """Whether the MoE layer's backward all-to-alls run one per local expert (the module
-    docstring's second listing): the combine's gradient (`combine.a2a_grad.<i>`, the last
-    expert's first, each delivering its expert's rows of the FC2 output gradient, no
-    `experts.unsort.bwd`) and the dispatch's (`dispatch.a2a_grad.<i>`, issued right after
-    that expert's FC1 dgrad, its FC1 wgrad beside it; `dispatch.join` puts the parts back
-    in the permuted order, no `experts.join` nor `experts.sort.bwd`), so that an expert's
-    backward starts on its own rows and its input gradient travels while the next
-    expert's backward runs. With several local experts and no expert biases (biased
-    experts' probabilities take a gradient in the unsort's backward, which keeps the whole
-    exchange). The forward's exchange stays whole (split by expert too it gave the block DP
-    slower pairings, docs/benchmark.md). The same bytes move; the gradients are the same
-    bits."""
+def _whole_id(op_id: str, attrs: dict) -> str:
+    """The id of the whole all-to-all that a one-expert all-to-all (`attrs['expert']`,
+    id `<whole>.<expert>`) carries a part of; `op_id` itself otherwise."""
+    return op_id.rsplit(".", 1)[0] if "expert" in attrs else op_id
+
+
+def split_combine_grad(d) -> bool:
+    """Whether the combine's backward all-to-all runs as one all-to-all per local expert
+    (`combine.a2a_grad.<i>`, the last expert's first), each delivering its expert's rows of
+    the FC2 output gradient directly (no `experts.unsort.bwd`), so that the last expert's
+    backward starts while the other experts' rows still travel (the whole all-to-all
+    otherwise stands before every expert's backward). With several local experts and no
+    expert biases (biased experts' probabilities take a gradient in the unsort's backward,
+    which keeps the one all-to-all). The same bytes move; the gradients are the same bits."""
     return d.moe.num_local_experts > 1 and not d.add_bias_linear
 
 
-def _expert_a2a(b, direction: str, whole_id: str, expert: int, inputs, outputs,
-                gather: bool = False) -> None:
-    """Local expert `expert`'s part of the all-to-all `whole_id` (`<whole_id>.<expert>`;
-    its rows: this rank's routed rows over the local experts). `gather`: the inputs are the
-    whole permuted rows, this expert's gathered for sending."""
+def _combine_grad_by_expert(b, routed: int) -> None:
+    """`combine.a2a_grad.<i>` for each local expert i, the last first (`split_combine_grad`):
+    the FC2 output gradient rows of expert i (`d.experts.fc2.out.<i>`) from the permuted
+    rows' gradient of every rank."""
     d = b.desc
-    rows = d.tokens_local * d.moe.topk // d.moe.num_local_experts
-    key = cost_key("all_to_all", d.dtype, {"rows": rows, "h": d.hidden_size},
-                   group_size=d.moe.ep_size, channel=d.ep_channel)
-    b.op(direction, f"{whole_id}.{expert}", "moe_expert_all_to_all", COMM, "all_to_all",
-         inputs, outputs, key, group="ep", channel=d.ep_channel,
-         to_experts=whole_id in TO_EXPERTS, expert=expert, gather=gather)
-
-
-def _sent_dim(d, expert: int) -> VariableDim:
-    """This rank's routed rows of every rank's local expert `expert`: at most all of them."""
-    return VariableDim(f"sent{expert}", 0, d.tokens_local * d.moe.topk)
+    for i in reversed(range(d.moe.num_local_experts)):
+        _rows(b, f"d.experts.fc2.out.{i}", _expert_dim(d, i), d.hidden_size)
+        _a2a(b, "bwd", f"combine.a2a_grad.{i}", ["d.combine.out", "dispatch.splits"],
+             [f"d.experts.fc2.out.{i}"], routed // d.moe.num_local_experts,
+             kernel="moe_expert_all_to_all", expert=i)
 
 
 def _expert_key(b, name: str, **dims) -> str:
@@ -152,20 +143,16 @@ def _experts_forward(b, recv) -> None:
     the probabilities, FC2 GEMMs, FC2 bias with the probabilities and the inverse sort.
     Between the GEMMs each expert's rows are a value of their own (`experts.fc1.out.<i>`,
     `experts.act.out.<i>`, one activation graph each), as in megatron-core's SequentialMLP,
-    so the backward frees them expert by expert. The sort and the inverse sort keep no
-    graph where the backward exchange runs by expert (`backward_exchange_by_expert`: its
-    all-to-alls deliver and take each expert's rows in the sorted order)."""
+    so the backward frees them expert by expert."""
     d = b.desc
     h, f = d.hidden_size, d.moe.ffn_hidden_size
     f1 = 2 * f if d.gated_linear_unit else f
     experts = range(d.moe.num_local_experts)
-    by_expert = backward_exchange_by_expert(d)
     _rows(b, "experts.in", recv, h)
     _rows(b, "experts.probs", recv)
     b.op("fwd", "experts.sort", "moe_sort", COMP, "permute",
          ["dispatch.tokens", "dispatch.probs", "dispatch.splits"],
-         ["experts.in", "experts.probs", *([] if by_expert else
-                                          [b.graph("experts.sort.graph")])],
+         ["experts.in", "experts.probs", b.graph("experts.sort.graph")],
          _expert_key(b, "expert_sort.fwd", h=h), module="mlp")
     fc1_out = [_rows(b, f"experts.fc1.out.{i}", _expert_dim(d, i), f1) for i in experts]
     b.op("fwd", "experts.fc1", "expert_linear_fwd", COMP, "gemm",
@@ -182,60 +169,27 @@ def _experts_forward(b, recv) -> None:
          _expert_key(b, "expert_linear.fwd", n=h, k=f), linear="linear_fc2")
     _rows(b, "experts.out", recv, h)
     probs = ["experts.probs"] if d.add_bias_linear else []
-    graph = [] if by_expert else [b.graph("experts.unsort.graph")]
+    graph = [] if split_combine_grad(d) else [b.graph("experts.unsort.graph")]
     b.op("fwd", "experts.unsort", "moe_unsort", COMP, "permute",
          ["experts.fc2.out", *probs, "dispatch.splits"], ["experts.out", *graph],
          _expert_key(b, "expert_unsort.fwd", h=h, bias=d.add_bias_linear), module="mlp")
 
 
 def _expert_gemm_backward(b, expert: int, gemm: str, grad: str, saved_input: str,
-                          grad_input: str, n: int, k: int, stacked: str | None,
-                          before_wgrad=None) -> None:
+                          grad_input: str, n: int, k: int, stacked: str | None) -> None:
     """Expert `expert`'s dgrad and movable wgrad of its `gemm` (fc1 / fc2: n output, k input
     features) from the output gradient `grad`. `stacked` (kept as `attrs['stacked']`) is the
     input that holds every local expert's rows (the kernels take this expert's); the others
-    are the expert's own (None: both are). `before_wgrad()` emits operators between the
-    two."""
+    are the expert's own (None: both are)."""
     _rows(b, grad_input, _expert_dim(b.desc, expert), k)
     b.op("bwd", f"experts.{gemm}.dgrad.{expert}", "expert_linear_dgrad", COMP, "gemm",
          [grad, "dispatch.splits"], [grad_input],
          _one_expert_key(b, "expert_linear.dgrad", n=n, k=k), linear=f"linear_{gemm}",
          expert=expert, stacked=(grad,) if grad == stacked else ())
-    if before_wgrad is not None:
-        before_wgrad()
     b.op("bwd", f"experts.{gemm}.wgrad.{expert}", "expert_linear_wgrad", COMP, "gemm",
          [grad, saved_input, "dispatch.splits"], [],
          _one_expert_key(b, "expert_linear.wgrad", n=n, k=k), movable=True,
          linear=f"linear_{gemm}", expert=expert, stacked=(stacked,) if stacked else ())
-
-
-def _expert_chain_backward(b, i: int, fc2_grad: str, probs_grad: str, stacked: tuple,
-                           before_fc1_wgrad=None) -> None:
-    """Local expert `i`'s backward chain: its FC2 dgrad and movable wgrad from `fc2_grad`,
-    its activation's graph (gradients of its FC1 output and of its probabilities,
-    `<probs_grad>.<i>`), its FC1 dgrad and movable wgrad (reading the saved `experts.in`),
-    with `before_fc1_wgrad()`'s operators between the last two. `stacked`: which of
-    `fc2_grad` and `experts.in` hold every local expert's rows (read as this expert's row
-    range); the others are the expert's own."""
-    d = b.desc
-    h, f = d.hidden_size, d.moe.ffn_hidden_size
-    f1 = 2 * f if d.gated_linear_unit else f
-    dim = _expert_dim(d, i)
-    _rows(b, f"d.experts.act.out.{i}", dim, f)
-    _expert_gemm_backward(b, i, "fc2", fc2_grad, f"experts.act.out.{i}",
-                          f"d.experts.act.out.{i}", n=h, k=f,
-                          stacked=fc2_grad if fc2_grad in stacked else None)
-    _rows(b, f"d.experts.fc1.out.{i}", dim, f1)
-    _rows(b, f"{probs_grad}.{i}", dim)
-    b.op("bwd", f"experts.act.bwd.{i}", "graph_bwd", COMP, "elementwise",
-         [f"experts.act.graph.{i}", f"d.experts.act.out.{i}"],
-         [f"d.experts.fc1.out.{i}", f"{probs_grad}.{i}"],
-         _one_expert_key(b, f"expert_{d.activation_kernel}.bwd", f=f1, bias=d.add_bias_linear),
-         grads_of=("x", "probs"))
-    _expert_gemm_backward(b, i, "fc1", f"d.experts.fc1.out.{i}", "experts.in",
-                          f"d.experts.in.{i}", n=f1, k=h,
-                          stacked="experts.in" if "experts.in" in stacked else None,
-                          before_wgrad=before_fc1_wgrad)
 
 
 def _experts_backward(b, recv) -> None:
@@ -243,25 +197,41 @@ def _experts_backward(b, recv) -> None:
     expert first, as megatron-core's autograd runs SequentialMLP's): its FC2 dgrad and
     movable wgrad, its activation's graph, its FC1 dgrad and movable wgrad; then its input
     rows' and probabilities' gradients joined in row order (`experts.join`) and, when the
-    experts have biases, the probabilities' two gradients (activation, FC2 bias) summed,
-    and the sort's backward. Starts from the combine gradient's whole all-to-all (the
-    unsort's backward); `backward_exchange_by_expert` has `_experts_backward_by_expert`."""
+    experts have biases, the probabilities' two gradients (activation, FC2 bias) summed.
+    The FC2 output gradient comes from the combine's all-to-all through the unsort's
+    backward, or, split by expert (`split_combine_grad`), as each expert's own rows."""
     d = b.desc
-    h = d.hidden_size
+    h, f = d.hidden_size, d.moe.ffn_hidden_size
+    f1 = 2 * f if d.gated_linear_unit else f
     bias = d.add_bias_linear
     experts = range(d.moe.num_local_experts)
-    _rows(b, "d.experts.fc2.out", recv, h)
-    probs_grads = ["d.experts.probs.bias"] if bias else []
-    for name in probs_grads:
-        _rows(b, name, recv)
-    b.op("bwd", "experts.unsort.bwd", "graph_bwd", COMP, "permute",
-         ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
-         _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
-         grads_of=("x", "probs") if bias else ("x",))
+    split = split_combine_grad(d)
+    if not split:
+        _rows(b, "d.experts.fc2.out", recv, h)
+        probs_grads = ["d.experts.probs.bias"] if bias else []
+        for name in probs_grads:
+            _rows(b, name, recv)
+        b.op("bwd", "experts.unsort.bwd", "graph_bwd", COMP, "permute",
+             ["experts.unsort.graph", "d.experts.out"], ["d.experts.fc2.out", *probs_grads],
+             _expert_key(b, "expert_unsort.bwd", h=h, bias=bias),
+             grads_of=("x", "probs") if bias else ("x",))
     act_probs = "d.experts.probs.act" if bias else "d.experts.probs"
     for i in reversed(experts):
-        _expert_chain_backward(b, i, "d.experts.fc2.out", act_probs,
-                               stacked=("d.experts.fc2.out", "experts.in"))
+        dim = _expert_dim(d, i)
+        _rows(b, f"d.experts.act.out.{i}", dim, f)
+        fc2_grad = f"d.experts.fc2.out.{i}" if split else "d.experts.fc2.out"
+        _expert_gemm_backward(b, i, "fc2", fc2_grad, f"experts.act.out.{i}",
+                              f"d.experts.act.out.{i}", n=h, k=f,
+                              stacked=None if split else fc2_grad)
+        _rows(b, f"d.experts.fc1.out.{i}", dim, f1)
+        _rows(b, f"{act_probs}.{i}", dim)
+        b.op("bwd", f"experts.act.bwd.{i}", "graph_bwd", COMP, "elementwise",
+             [f"experts.act.graph.{i}", f"d.experts.act.out.{i}"],
+             [f"d.experts.fc1.out.{i}", f"{act_probs}.{i}"],
+             _one_expert_key(b, f"expert_{d.activation_kernel}.bwd", f=f1, bias=bias),
+             grads_of=("x", "probs"))
+        _expert_gemm_backward(b, i, "fc1", f"d.experts.fc1.out.{i}", "experts.in",
+                              f"d.experts.in.{i}", n=f1, k=h, stacked="experts.in")
     _rows(b, "d.experts.in", recv, h)
     _rows(b, act_probs, recv)
     b.op("bwd", "experts.join", "expert_rows_join", COMP, "permute",
@@ -278,47 +248,6 @@ def _experts_backward(b, recv) -> None:
          ["experts.sort.graph", "d.experts.in", "d.experts.probs"],
          ["d.dispatch.tokens", "d.dispatch.probs"], _expert_key(b, "expert_sort.bwd", h=h),
          grads_of=("x", "probs"))
-
-
-def _experts_backward_by_expert(b) -> None:
-    """`backward_exchange_by_expert`'s backward from the permuted rows' gradient
-    (`d.combine.out`) to the permuted rows' and probabilities' gradients: each expert's
-    combine gradient all-to-all (the last expert's first; its rows gathered from the
-    permuted rows), then expert by expert (the last first) its FC2 dgrad and movable wgrad,
-    activation backward, FC1 dgrad, dispatch gradient all-to-all (its rows and
-    probabilities) and movable FC1 wgrad (beside that all-to-all), and the parts
-    interleaved into the permuted order (`dispatch.join`)."""
-    d = b.desc
-    h = d.hidden_size
-    experts = range(d.moe.num_local_experts)
-    for i in reversed(experts):
-        _rows(b, f"d.experts.fc2.out.{i}", _expert_dim(d, i), h)
-        _expert_a2a(b, "bwd", "combine.a2a_grad", i, ["d.combine.out", "dispatch.splits"],
-                    [f"d.experts.fc2.out.{i}"], gather=True)
-    if has_shared_expert(d):  # the shared expert's backward next to those all-to-alls
-        shared_backward(b, "d.mlp.out")
-    for i in reversed(experts):
-        _expert_chain_backward(b, i, f"d.experts.fc2.out.{i}", "d.experts.probs",
-                               stacked=("experts.in",),
-                               before_fc1_wgrad=lambda i=i: _dispatch_grad_part(b, i))
-    routed = d.tokens_local * d.moe.topk
-    _rows(b, "d.permute.tokens", routed, h)
-    _rows(b, "d.permute.probs", routed)
-    b.op("bwd", "dispatch.join", "expert_rows_interleave", COMP, "permute",
-         [*(f"d.permute.tokens.{i}" for i in experts),
-          *(f"d.permute.probs.{i}" for i in experts), "dispatch.splits"],
-         ["d.permute.tokens", "d.permute.probs"], _expert_key(b, "expert_interleave.bwd", h=h))
-
-
-def _dispatch_grad_part(b, expert: int) -> None:
-    """Expert `expert`'s part of the dispatch all-to-all's gradient: its input rows' and
-    probabilities' gradients back to the ranks they came from."""
-    d = b.desc
-    _rows(b, f"d.permute.tokens.{expert}", _sent_dim(d, expert), d.hidden_size)
-    _rows(b, f"d.permute.probs.{expert}", _sent_dim(d, expert))
-    _expert_a2a(b, "bwd", "dispatch.a2a_grad", expert,
-                [f"d.experts.in.{expert}", f"d.experts.probs.{expert}", "dispatch.splits"],
-                [f"d.permute.tokens.{expert}", f"d.permute.probs.{expert}"])
 
 
 def aux_over_tp(d) -> bool:
@@ -420,21 +349,21 @@ def moe_backward(b, norm_backward) -> None:
     b.op("bwd", "unpermute.bwd", "graph_bwd", COMP, "permute", ["unpermute.graph", "d.mlp.out"],
          ["d.combine.out"], b.key("unpermute.bwd", t=tokens, h=h, e=e, k=moe.topk),
          grads_of=("x",))
-    shared = has_shared_expert(d)
-    if backward_exchange_by_expert(d):
-        _experts_backward_by_expert(b)
+    if split_combine_grad(d):
+        _combine_grad_by_expert(b, routed)
     else:
         _rows(b, "d.experts.out", recv, h)
         _a2a(b, "bwd", "combine.a2a_grad", ["d.combine.out", "dispatch.splits"],
              ["d.experts.out"], routed)
-        if shared:  # the shared expert's backward next to the all-to-all it does not need
-            shared_backward(b, "d.mlp.out")
-        _experts_backward(b, recv)
-        _rows(b, "d.permute.tokens", routed, h)
-        _rows(b, "d.permute.probs", routed)
-        _a2a(b, "bwd", "dispatch.a2a_grad", ["d.dispatch.tokens", "d.dispatch.probs",
-                                             "dispatch.splits"],
-             ["d.permute.tokens", "d.permute.probs"], routed)
+    shared = has_shared_expert(d)
+    if shared:  # the shared expert's backward next to the all-to-all it does not depend on
+        shared_backward(b, "d.mlp.out")
+    _experts_backward(b, recv)
+    _rows(b, "d.permute.tokens", routed, h)
+    _rows(b, "d.permute.probs", routed)
+    _a2a(b, "bwd", "dispatch.a2a_grad", ["d.dispatch.tokens", "d.dispatch.probs",
+                                         "dispatch.splits"],
+         ["d.permute.tokens", "d.permute.probs"], routed)
     b.tensor("d.ln2.out.tokens", s, h)
     _rows(b, "d.router.probs", tokens, e)
     b.op("bwd", "permute.bwd", "graph_bwd", COMP, "permute",
