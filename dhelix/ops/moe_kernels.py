@@ -166,10 +166,17 @@ class MoEAllToAll(Kernel):
         if not op.attrs["to_experts"]:
             send, receive = receive, send
         for name, out_name in zip(tensor_names, outputs):
-            tensor = state.take(name).contiguous()
-            output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
-            work = comm.all_to_all_single(output, tensor, list(receive), list(send))
-            state.put_pending(out_name, output, work, keepalive=(tensor,))
+            _issue_all_to_all(comm, state, out_name, state.take(name).contiguous(), send,
+                              receive)
+
+
+def _issue_all_to_all(comm, state, out_name: str, tensor, send, receive) -> None:
+    """Issue the all-to-all of `tensor` (`send` rows to each rank, `receive` from each) into
+    a new tensor on its device, stored as the pending value `out_name`; the collective
+    keeps `tensor` alive until it completes."""
+    output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
+    work = comm.all_to_all_single(output, tensor, list(receive), list(send))
+    state.put_pending(out_name, output, work, keepalive=(tensor,))
 
 
 @register_kernel
@@ -191,9 +198,7 @@ class OneExpertAllToAll(Kernel):
         ranges, send, receive = splits.one_expert_exchange(op.attrs["expert"])
         tensor = torch.cat([rows[start:stop] for start, stop in ranges])
         del rows
-        output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
-        work = comm.all_to_all_single(output, tensor, receive, send)
-        state.put_pending(op.outputs[0], output, work, keepalive=(tensor,))
+        _issue_all_to_all(comm, state, op.outputs[0], tensor, send, receive)
 
 
 def _moe_of(state):

@@ -79,22 +79,18 @@ def _dims(desc) -> tuple:
 
 
 def _a2a(b, direction: str, op_id: str, inputs, outputs, rows: int,
-         kernel: str = "moe_all_to_all", **attrs) -> None:
+         kernel: str = "moe_all_to_all", to_experts: bool | None = None, **attrs) -> None:
     """An all-to-all of `rows` token rows (this rank's, on average) over the expert-parallel
     group; `kernel` moe_all_to_all (every local expert's rows) or moe_expert_all_to_all (one
-    expert's, `attrs['expert']`)."""
+    expert's, `attrs['expert']`). `to_experts` (default: `op_id` is in TO_EXPERTS): the
+    rows travel to the experts."""
     d = b.desc
     key = cost_key("all_to_all", d.dtype, {"rows": rows, "h": d.hidden_size},
                    group_size=d.moe.ep_size, channel=d.ep_channel)
+    if to_experts is None:
+        to_experts = op_id in TO_EXPERTS
     b.op(direction, op_id, kernel, COMM, "all_to_all", inputs, outputs, key,
-         group="ep", channel=d.ep_channel, to_experts=_whole_id(op_id, attrs) in TO_EXPERTS,
-         **attrs)
-
-
-def _whole_id(op_id: str, attrs: dict) -> str:
-    """The id of the whole all-to-all that a one-expert all-to-all (`attrs['expert']`,
-    id `<whole>.<expert>`) carries a part of; `op_id` itself otherwise."""
-    return op_id.rsplit(".", 1)[0] if "expert" in attrs else op_id
+         group="ep", channel=d.ep_channel, to_experts=to_experts, **attrs)
 
 
 def split_combine_grad(d) -> bool:
@@ -117,7 +113,7 @@ def _combine_grad_by_expert(b, routed: int) -> None:
         _rows(b, f"d.experts.fc2.out.{i}", _expert_dim(d, i), d.hidden_size)
         _a2a(b, "bwd", f"combine.a2a_grad.{i}", ["d.combine.out", "dispatch.splits"],
              [f"d.experts.fc2.out.{i}"], routed // d.moe.num_local_experts,
-             kernel="moe_expert_all_to_all", expert=i)
+             kernel="moe_expert_all_to_all", to_experts=True, expert=i)
 
 
 def _expert_key(b, name: str, **dims) -> str:
