@@ -1,5 +1,6 @@
-"""`ArgumentError`, the one-line error for bad command-line input, and the check that a path
-argument names a file this process can read (`check_readable_file`).
+"""`ArgumentError`, the one-line error for bad command-line input, and the checks that a path
+argument names a file this process can read (`check_readable_file`) or can write
+(`check_writable_file`).
 
 Shared by the plugin's `--dhelix*` file checks (`dhelix.dhelix_arguments`), the presets of
 `dhelix train` (`dhelix.presets`) and the typed options (`dhelix.options.OptionError`).
@@ -52,4 +53,23 @@ def check_readable_file(option: str, path: str) -> Path:
         raise ArgumentError(f"{option} {path}: is a directory or special file; give a file")
     probe_path(option, path, lambda: open(p, "rb").close(), "cannot be read",
                "fix its permissions")
+    return p
+
+
+def check_writable_file(option: str, path: str) -> Path:
+    """`path` names a file this process can create or overwrite: not a directory or special
+    file, in an existing directory it may write to. Returns it as a Path; creates nothing.
+    Raises ArgumentError naming `option` otherwise."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise ArgumentError(f"{option} {path}: is a directory or special file; give a file "
+                            "path")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ArgumentError(f"{option} {path}: its directory {parent} does not exist; create "
+                            "it first or choose another path")
+    target = p if p.exists() else parent
+    if not os.access(target, os.W_OK):
+        raise ArgumentError(f"{option} {path}: cannot be written (no write permission on "
+                            f"{target}); fix its permissions or choose another path")
     return p

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from dhelix.argument_error import ArgumentError, check_readable_file, flag
+from dhelix.argument_error import ArgumentError, check_readable_file, check_writable_file, \
+    flag
 from dhelix.options import ATTENTION_CHOICES, PAIRERS
 
 
@@ -34,6 +35,12 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                    help="plan file (dhelix plan ...); default: build one at start-up")
     g.add_argument("--dhelix-profile", type=str, default=None,
                    help="profile to plan from (dhelix profile ...); default: analytic costs")
+    g.add_argument("--dhelix-save-plan", type=str, default=None, metavar="PATH",
+                   help="write the plan built at start-up to PATH (one file per pipeline "
+                        "stage with PP > 1: PATH with .stage<k> before its suffix), for "
+                        "`dhelix plan show PATH` and --dhelix-plan PATH on this machine; "
+                        "with the memory bound it holds each block's peak and the "
+                        "per-operator readings")
     g.add_argument("--dhelix-pairer", choices=PAIRERS,
                    default="dp",
                    help="how operators are paired (default dp): dp|sequential|round_robin pair "
@@ -94,7 +101,8 @@ def check_dhelix_files(ns: argparse.Namespace) -> None:
     """--dhelix-plan / --dhelix-profile, before anything is built: each given only with
     --dhelix, an existing regular file this process can read, holding a valid dhelix plan /
     profile of the format version this dhelix reads (whether it fits this run's model,
-    layout and hardware is checked once the model exists, `dhelix.runtime.setup`). Raises
+    layout and hardware is checked once the model exists, `dhelix.runtime.setup`);
+    --dhelix-save-plan only with --dhelix, a file path this process can write. Raises
     ArgumentError. Used by the plugin's argument hook (`dhelix.megatron_lm_checks`)."""
     from dhelix.file_formats import FormatError
     from planner.plan import load_plan
@@ -112,3 +120,9 @@ def check_dhelix_files(ns: argparse.Namespace) -> None:
             load(path)
         except FormatError as exc:
             raise ArgumentError(f"{flag(dest)} {exc}") from None
+    save = getattr(ns, "dhelix_save_plan", None)
+    if save is not None:
+        if not ns.dhelix:
+            raise ArgumentError("--dhelix-save-plan needs --dhelix (without it no plan is "
+                                "built); add --dhelix or drop --dhelix-save-plan")
+        check_writable_file("--dhelix-save-plan", save)

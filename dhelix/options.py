@@ -54,6 +54,8 @@ class DHelixOptions:
     enabled: bool = False  # --dhelix: co-execute micro-batch pairs
     plan: str | None = None  # --dhelix-plan PATH: a plan file (default: built at start-up)
     profile: str | None = None  # --dhelix-profile PATH: plan from these measured costs
+    # --dhelix-save-plan PATH: write the plan built at start-up (per stage with PP > 1)
+    save_plan: str | None = None
     pairer: str = "dp"  # --dhelix-pairer: dp | sequential | round_robin | domino
     block_barriers: bool = True  # --dhelix-no-block-barriers: False
     layer_seams: bool = True  # --dhelix-no-layer-seams: False
@@ -79,7 +81,8 @@ class DHelixOptions:
         """The options from a namespace parsed with `add_dhelix_runtime_args` (Megatron's
         parser under the plugin, or the trainer's)."""
         return cls(enabled=bool(args.dhelix), plan=args.dhelix_plan,
-                   profile=args.dhelix_profile, pairer=args.dhelix_pairer,
+                   profile=args.dhelix_profile, save_plan=args.dhelix_save_plan,
+                   pairer=args.dhelix_pairer,
                    block_barriers=bool(args.dhelix_block_barriers),
                    layer_seams=bool(args.dhelix_layer_seams),
                    embedding_overlap=bool(args.dhelix_embedding_overlap),
@@ -201,6 +204,7 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
     """(refused, message) for every rule tying the `--dhelix*` options to the run."""
     pp = parallel.pipeline_model_parallel_size
     for option, value in (("--dhelix-plan", options.plan), ("--dhelix-profile", options.profile),
+                          ("--dhelix-save-plan", options.save_plan),
                           ("--dhelix-commfree-timing-only", options.commfree_timing_only),
                           ("--dhelix-streamed", options.streamed is True)):
         yield (bool(value) and not options.enabled, f"{option} needs --dhelix")
@@ -219,8 +223,12 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
     yield (options.domino and parallel.micro_batch_size % 2 != 0,
            f"--dhelix-pairer domino splits each micro-batch in two halves along the batch "
            f"dimension: --micro-batch-size must be even (got {parallel.micro_batch_size})")
-    yield (options.domino and bool(options.plan or options.profile),
-           "--dhelix-pairer domino does no planning: drop --dhelix-plan and --dhelix-profile")
+    yield (options.domino and bool(options.plan or options.profile or options.save_plan),
+           "--dhelix-pairer domino does no planning: drop --dhelix-plan, --dhelix-profile "
+           "and --dhelix-save-plan")
+    yield (bool(options.plan and options.save_plan),
+           "--dhelix-save-plan writes the plan built at start-up, and --dhelix-plan gives "
+           "one: drop --dhelix-save-plan (the plan is that file)")
     yield (options.streamed is True and options.pairer != "dp",
            f"--dhelix-streamed plans its own operator sequence from the profile: use it with "
            f"--dhelix-pairer dp (got {options.pairer})")

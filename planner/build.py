@@ -11,7 +11,7 @@ from planner.blocks import Pairing, check_pairing
 from planner.cosched import simulate_block
 from planner.costs import CostModel
 from planner.dp import dp_search
-from planner.memory import MIB, MemoryBound, pairing_peak
+from planner.memory import MIB, MemoryBound, block_peaks
 from planner.plan import UNSPECIFIED, Plan, PlanBlock, dag_sha
 
 PAIRERS = ("dp", "sequential", "round_robin")
@@ -42,6 +42,21 @@ def run_pairer(name: str, fwd: OpDAG, bwd: OpDAG, costs: CostModel,
                      "seconds": round(time.perf_counter() - started, 4)}
 
 
+def _memory_record(pairing: Pairing, memory: MemoryBound) -> dict:
+    """What a plan records of its memory bound (MiB): the bound's summary, the plan's peak
+    (`plan_peak_mib`) and each block's (`block_peak_mib`, above the layer pair's start, in
+    block order), and the per-operator readings the bound was made from (`ops`: per
+    direction, op id -> [delta, transient]), so `dhelix plan show` can print them and the
+    plan can be re-bounded offline."""
+    peaks = block_peaks(pairing, memory.fwd, memory.bwd, memory.input_bytes)
+    ops = {direction: {op: [round(readings.delta[op] / MIB, 3),
+                            round(readings.transient[op] / MIB, 3)]
+                       for op in readings.delta}
+           for direction, readings in (("fwd", memory.fwd), ("bwd", memory.bwd))}
+    return {**memory.summary(), "plan_peak_mib": round(max([0.0, *peaks]) / MIB, 3),
+            "block_peak_mib": [round(peak / MIB, 3) for peak in peaks], "ops": ops}
+
+
 def make_plan(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairer: str = "dp",
               max_orders: int = DEFAULT_MAX_ORDERS, wgrad_move: int = DEFAULT_WGRAD_MOVE,
               model: str = UNSPECIFIED, parallel: str = UNSPECIFIED,
@@ -57,8 +72,7 @@ def make_plan(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairer: str = "dp",
     pairing, search = run_pairer(pairer, fwd, bwd, costs, max_orders, wgrad_move, memory)
     check_pairing(fwd, bwd, pairing)
     if memory is not None:
-        search["memory"] = {**memory.summary(), "plan_peak_mib": round(
-            pairing_peak(pairing, memory.fwd, memory.bwd, memory.input_bytes) / MIB, 3)}
+        search["memory"] = _memory_record(pairing, memory)
     blocks, timeline, clock = [], [], 0.0
     for number, block in enumerate(pairing.blocks):
         sim = simulate_block(block.fwd, block.bwd, costs)

@@ -190,17 +190,23 @@ def seam_peak(fwd_order, bwd_order, head: int, tail_ops: int, fwd: OpMemory,
     return float(live_f[-1] + max(head_l + tail_p, head_p + tail_l))
 
 
-def pairing_peak(pairing, fwd: OpMemory, bwd: OpMemory, input_bytes: float = 0.0) -> float:
-    """The model's peak above the pair's start of a pairing (`planner.blocks.Pairing`):
-    the largest block bound of `block_peak_table` along its blocks."""
+def block_peaks(pairing, fwd: OpMemory, bwd: OpMemory, input_bytes: float = 0.0) -> list:
+    """Each block's bound of `block_peak_table` (bytes above the layer pair's start: the
+    most the block can hold over any interleaving of its two segments), in the order of
+    `pairing.blocks` (`planner.blocks.Pairing`)."""
     table = block_peak_table(pairing.fwd_order, pairing.bwd_order, fwd, bwd, input_bytes)
-    i = j = 0
-    worst = 0.0
+    peaks, i, j = [], 0, 0
     for block in pairing.blocks:
         a, b = i, j
         i, j = i + len(block.fwd), j + len(block.bwd)
-        worst = max(worst, float(table[i, j, a, b]))
-    return worst
+        peaks.append(float(table[i, j, a, b]))
+    return peaks
+
+
+def pairing_peak(pairing, fwd: OpMemory, bwd: OpMemory, input_bytes: float = 0.0) -> float:
+    """The model's peak above the pair's start of a pairing: the largest of its
+    `block_peaks` (0 for no blocks)."""
+    return max([0.0, *block_peaks(pairing, fwd, bwd, input_bytes)])
 
 
 def early_input_block(pairing, fwd: OpMemory, bwd: OpMemory, budget_bytes: float,

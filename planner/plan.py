@@ -12,12 +12,16 @@ Document (all times in ms):
      "predicted": {"sequential_ms", "planned_ms", "speedup", "estimated"},
      "ops": {"fwd": {id: {"kind", "channel", "op_class", "solo_ms"}}, "bwd": {...}},
      "timeline": [{"strand", "op", "block", "start_ms", "end_ms"}],
-     "search": {"fwd_orders", "bwd_orders", "seconds"},
+     "search": {"fwd_orders", "bwd_orders", "seconds",
+                "memory": {bound summary, "plan_peak_mib", "block_peak_mib", "ops"}},
      "command": "the dhelix plan command line that made it"}
 
-`estimated` is true for a block whose prediction used at least one estimated number (a pair
-time derived from OEF statistics rather than measured, or the analytic default); the plan's
-`predicted.estimated` is true if any block is. `ops` and `timeline` make the file
+`search.memory` (a plan the dp pairer built within a memory bound, `planner.build`) holds
+the bound (MiB above a layer pair's start), each block's peak by the bound's model and the
+per-operator readings it was made from. `estimated` is true for a block whose prediction
+used at least one estimated number (a pair time derived from OEF statistics rather than
+measured, or the analytic default); the plan's `predicted.estimated` is true if any block
+is. `ops` and `timeline` make the file
 self-contained for `dhelix plan show`. The runtime checks `fingerprint` against its own run
 with `check_fingerprint` before using a plan.
 """

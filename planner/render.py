@@ -38,24 +38,38 @@ def plan_table(plan: Plan, width: int = 34) -> str:
         f"{plan.search.get('bwd_orders', '?')} bwd in {plan.search.get('seconds', '?')} s",
         "",
     ]
+    memory = plan.search.get("memory") or {}
+    peaks = memory.get("block_peak_mib")
+    if peaks is not None and len(peaks) != len(plan.blocks):
+        peaks = None  # not this plan's blocks
     header = (f"{'#':>3} {'start':>8} {'forward ops':<{width}} {'backward ops':<{width}} "
-              f"{'solo':>8} {'pred':>8} {'saved':>6}")
-    lines += [header + "  (ms)", "-" * (len(header) + 6)]
+              f"{'solo':>8} {'pred':>8} {'saved':>6}" + (f" {'peak':>8}" if peaks else ""))
+    lines += [header + ("  (ms; peak MiB)" if peaks else "  (ms)"), "-" * (len(header) + 16)]
     for number, block in enumerate(plan.blocks, start=1):
         solo = plan.block_solo_ms(block)
         saved = 1 - block.predicted_ms / solo if solo else 0.0
         fwd = textwrap.wrap(" ".join(block.fwd) or "-", width) or ["-"]
         bwd = textwrap.wrap(" ".join(block.bwd) or "-", width) or ["-"]
         mark = "*" if block.estimated else ""
+        peak = f" {peaks[number - 1]:>8.1f}" if peaks else ""
         for row in range(max(len(fwd), len(bwd))):
             f = fwd[row] if row < len(fwd) else ""
             b = bwd[row] if row < len(bwd) else ""
             if row == 0:
                 lines.append(f"{number:>3} {block.start_ms:>8.3f} {f:<{width}} {b:<{width}} "
-                             f"{solo:>8.3f} {block.predicted_ms:>8.3f} {saved:>5.0%}{mark}")
+                             f"{solo:>8.3f} {block.predicted_ms:>8.3f} {saved:>5.0%}{mark:<1}"
+                             f"{peak}")
             else:
                 lines.append(f"{'':>3} {'':>8} {f:<{width}} {b:<{width}}")
     lines.append("")
+    if "budget_mib" in memory:
+        lines.append(
+            f"memory bound: {memory['budget_mib']:.1f} MiB above a layer pair's start "
+            f"(reference {memory.get('reference_mib', 0):.1f}, margin "
+            f"{memory.get('margin_mib', 0):.1f}); planned peak "
+            f"{memory.get('plan_peak_mib', 0):.1f} MiB"
+            + ("; peak: the most a block can hold above the pair's start, any interleaving"
+               if peaks else ""))
     lines.append(f"sequential {plan.sequential_ms:.3f} ms -> planned {plan.planned_ms:.3f} ms: "
                  f"speedup {plan.speedup:.3f}x")
     if plan.cost_source != "profile":

@@ -197,6 +197,16 @@ def gpu_emulation_spec(ns) -> dict | None:
             "overlap_slowdown": emulation.overlap_slowdown}
 
 
+def _saving_plan(args: list, base: list, path: Path) -> list:
+    """A system's arguments, with `--dhelix-save-plan path` where it builds one plan at
+    start-up (the DHelix runtime but the Domino split; not a stack of dense and MoE layers,
+    which plans each layer pair), so raw/ keeps the plan each row ran."""
+    if ("--dhelix" not in args or "domino" in args or "--dhelix-plan" in args
+            or "--moe-layer-freq" in base):
+        return list(args)
+    return [*args, "--dhelix-save-plan", str(path)]
+
+
 def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Path,
                emulation: dict | None = None) -> dict:
     """Launch the cluster for one configuration with every available system (under the GPU
@@ -206,7 +216,8 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
     from dhelix.bench.report import summarise_config
 
     base = model + config.parallel_args()
-    available = {name: run.args for name, run in runs.items() if not run.unavailable}
+    available = {name: _saving_plan(run.args, base, raw_dir / f"{config.name}.{name}.plan.json")
+                 for name, run in runs.items() if not run.unavailable}
     raw_path = raw_dir / f"{config.name}.ranks.json"
     spec = {"megatron_args": base, "systems": available, "reps": ns.reps,
             "warmup": ns.warmup, "out": str(raw_path), "gpu_emulation": emulation}

@@ -47,12 +47,30 @@ def _train(extra):
     return losses, proc.stdout
 
 
-def test_quick_start_with_and_without_dhelix():
+def test_quick_start_with_and_without_dhelix(tmp_path):
     stock, _ = _train([])
-    dhelix, out = _train(["--dhelix"])
+    saved = tmp_path / "plan.json"
+    dhelix, out = _train(["--dhelix", "--dhelix-save-plan", str(saved)])
     assert "dhelix: W-shaped schedule over the folded model" in out
+    _check_saved_plans(saved, out)
     print(f"stock: {stock}\n--dhelix: {dhelix}")
     # training losses, then the validation loss (evaluate() runs the forward-only action
     # list on the schedule engine with --dhelix)
     for i in stock:  # the log prints 7 significant digits
         assert abs(stock[i] - dhelix[i]) <= 1e-5 * abs(stock[i])
+
+
+def _check_saved_plans(saved: Path, out: str) -> None:
+    """`--dhelix-save-plan` with PP=2 wrote each stage's start-up plan (`plan.stage<k>.json`)
+    and said so on the plan line; each loads, carries its memory bound's block peaks, and
+    `dhelix plan show` prints it."""
+    from dhelix.cli import main
+    from planner.plan import load_plan
+
+    assert not saved.exists()
+    assert (f"saved to {saved.with_name('plan.stage0.json')} (stage 0's; each stage's in "
+            "plan.stage0.json .. plan.stage1.json)") in out, out[-3000:]
+    for stage in (0, 1):
+        plan = load_plan(saved.with_name(f"plan.stage{stage}.json"))
+        assert len(plan.search["memory"]["block_peak_mib"]) == len(plan.blocks)
+        assert main(["plan", "show", str(saved.with_name(f"plan.stage{stage}.json"))]) == 0

@@ -264,6 +264,48 @@ def test_plan_without_dhelix_is_refused_not_ignored(tmp_path, monkeypatch):
             f"--dhelix or drop {option}")
 
 
+def test_save_plan_path_is_checked_at_parse_time(tmp_path, monkeypatch):
+    """--dhelix-save-plan names a file the run can write, and needs --dhelix; with
+    --dhelix-plan or the Domino split it would save nothing built here."""
+    option = "--dhelix-save-plan"
+    missing = tmp_path / "no_dir" / "plan.json"
+    assert _one_line(["--dhelix", option, str(missing)], monkeypatch) == (
+        f"error: {option} {missing}: its directory {missing.parent} does not exist; create "
+        "it first or choose another path")
+    assert _one_line(["--dhelix", option, str(tmp_path)], monkeypatch) == (
+        f"error: {option} {tmp_path}: is a directory or special file; give a file path")
+    assert _one_line([option, str(tmp_path / "plan.json")], monkeypatch) == (
+        f"error: {option} needs --dhelix (without it no plan is built); add --dhelix or "
+        f"drop {option}")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-pairer", "domino",
+                               option, str(tmp_path / "plan.json")], validate=True)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --dhelix-pairer domino does no planning: drop --dhelix-plan, --dhelix-profile "
+        "and --dhelix-save-plan"], err
+
+
+def test_save_plan_with_a_plan_file_is_refused(tmp_path, monkeypatch):
+    from planner.build import make_plan
+    from planner.costs import build_cost_model
+    from planner.plan import save_plan
+    from planner.synthetic import layer_dags
+
+    fwd, bwd = layer_dags()
+    save_plan(make_plan(fwd, bwd, build_cost_model(fwd, bwd), pairer="sequential"),
+              tmp_path / "given.json")
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, err = _parse(TINY + ["--train-iters", "1", "--dhelix", "--dhelix-plan",
+                               str(tmp_path / "given.json"), "--dhelix-save-plan",
+                               str(tmp_path / "saved.json")], validate=True)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --dhelix-save-plan writes the plan built at start-up, and --dhelix-plan "
+        "gives one: drop --dhelix-save-plan (the plan is that file)"], err
+    assert not (tmp_path / "saved.json").exists()
+
+
 HELP = "python -m dhelix.megatron_lm SCRIPT --help lists the arguments"
 
 

@@ -66,7 +66,7 @@ from planner.memory import (MIB, early_input_block, layer_activation_bytes, make
                             seam_peak)
 from planner.pipeline_transfers import si_block_ms
 from planner.streamed import StreamedPlanner
-from planner.plan import PlanMismatch, load_checked_plan
+from planner.plan import PlanMismatch, load_checked_plan, save_plan
 from dhelix.file_formats import REGENERATE
 from profiler.fingerprint import (
     check_profile_hardware,
@@ -211,10 +211,12 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
     if options.streamed is True:  # by default such a stack runs its plans in blocks
         raise DHelixSetupError("--dhelix-streamed serves a stack of identical layers; drop it "
                                "for a stack of dense and MoE layers")
-    if options.plan:
-        raise DHelixSetupError("--dhelix-plan serves a stack of identical layers; a stack of "
-                               "dense and MoE layers plans each layer pair at start-up: drop "
-                               "--dhelix-plan")
+    for flag, given in (("--dhelix-plan", options.plan), ("--dhelix-save-plan",
+                                                           options.save_plan)):
+        if given:
+            raise DHelixSetupError(f"{flag} serves a stack of identical layers (one plan); a "
+                                   "stack of dense and MoE layers plans each layer pair at "
+                                   f"start-up: drop {flag}")
     kinds = _layer_kinds(bound)
     memory = {}
     if options.memory_bound and options.pairer == "dp":
@@ -264,6 +266,32 @@ def _setup_mixed_stack(run: DHelixRun, parts: GPTParts, bound, lanes, timing_onl
                        plan_source=f"{len(pair_plans)} layer-pair plans ({'; '.join(sources)})",
                        engine=engine, timing_only=timing_only, costs=first_costs,
                        pair_plans=pair_plans)
+
+
+def stage_plan_path(path: str, stage: int | None) -> Path:
+    """Where `--dhelix-save-plan PATH` puts the plan of pipeline stage `stage`: PATH itself
+    without pipelining (`stage` None), else PATH with `.stage<k>` before its suffix
+    (plan.json -> plan.stage1.json)."""
+    p = Path(path)
+    return p if stage is None else p.with_name(f"{p.stem}.stage{stage}{p.suffix}")
+
+
+def _save_start_up_plan(path: str, plan, streamed: bool) -> str:
+    """Write the plan this stage runs (built at start-up) for `--dhelix-save-plan`: the
+    stage's first rank writes it (every rank of a stage holds the same plan), to
+    `stage_plan_path`; returns the phrase for the plan line. Collective over nothing."""
+    from megatron.core import parallel_state
+
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else None
+    target = stage_plan_path(path, stage)
+    if dist.get_rank() == min(dist.get_process_group_ranks(_stage_group())):
+        save_plan(plan, target)
+    note = " (the block plan: this run's SI blocks run streamed)" if streamed else ""
+    if stage is not None:
+        note += (f" (stage {stage}'s; each stage's in {stage_plan_path(path, 0).name} .. "
+                 f"{stage_plan_path(path, stages - 1).name})")
+    return f"saved to {target}{note}; `dhelix plan show {shlex.quote(str(target))}`"
 
 
 def _stage_group():
@@ -611,6 +639,8 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     early, verdict = _early_embedding(run, parts, plan, memory, streamed)
     if verdict:
         source += "; " + verdict
+    if options.save_plan:
+        source += "; " + _save_start_up_plan(options.save_plan, plan, streamed is not None)
     runner = LayerRunner(bound_layers=bound, lanes=lanes, fwd_order=tuple(plan.fwd_order),
                          bwd_order=tuple(plan.bwd_order), blocks=tuple(plan.blocks),
                          block_barriers=options.block_barriers,

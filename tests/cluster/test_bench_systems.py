@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from dhelix.bench.systems import CONFIGS, config_systems
+from planner.plan import load_plan
 from tests.cluster.support import ROOT, host_network_state, unavailable_reason
 
 pytestmark = [pytest.mark.skipif(unavailable_reason() is not None,
@@ -65,6 +66,12 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
         assert sum(h[2] for h in held) <= (timeline["issue"] + timeline["wait"]
                                            + timeline["barrier"]) + 1e-9
     ranks = json.loads((tmp_path / "raw" / "a.ranks.json").read_text())["ranks"]
+    # raw/ keeps the plan each row built at start-up (--dhelix-save-plan); none for Domino
+    saved = load_plan(tmp_path / "raw" / "a.dhelix.plan.json")
+    assert [[list(b.fwd), list(b.bwd)] for b in saved.blocks] == ranks[0]["plan_block_ops"]
+    assert saved.search["memory"]["block_peak_mib"]
+    assert load_plan(tmp_path / "raw" / "a.ops_sequential.plan.json").pairer == "sequential"
+    assert not (tmp_path / "raw" / "a.domino.plan.json").exists()
     for rank in ranks:  # the DHelix row's plan, block by block (forward ops, backward ops)
         blocks = rank["plan_block_ops"]
         assert len(blocks) == rank["plan_blocks"] and all(f or b for f, b in blocks)

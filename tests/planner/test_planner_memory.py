@@ -119,6 +119,34 @@ def test_mask_rejects_the_faster_plan_that_exceeds_the_budget(overlapping_layer)
     assert pairing_peak(relaxed.pairing, mem_f, mem_b) <= wide.budget_bytes
 
 
+def test_a_bounded_plan_records_its_block_peaks_and_readings(overlapping_layer, tmp_path):
+    """`make_plan` with a bound records each block's peak by the bound's model (the largest
+    is the plan's), the bound and the per-operator readings; the file keeps them and
+    `dhelix plan show` prints the peaks beside the blocks."""
+    from planner.build import make_plan
+    from planner.plan import load_plan, save_plan
+    from planner.render import plan_table
+
+    fwd, bwd, costs, mem_f, mem_b = overlapping_layer
+    # no margin: the backward, then the forward (two blocks)
+    bound = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, 0)
+    plan = make_plan(fwd, bwd, costs, memory=bound)
+    record = load_plan(save_plan(plan, tmp_path / "plan.json")).search["memory"]
+    pairing = Pairing(plan.fwd_order, plan.bwd_order,
+                      [Block(b.fwd, b.bwd) for b in plan.blocks])
+    assert len(record["block_peak_mib"]) == len(plan.blocks) > 1
+    assert max(record["block_peak_mib"]) == record["plan_peak_mib"] == pytest.approx(
+        pairing_peak(pairing, mem_f, mem_b) / MIB)
+    assert record["budget_mib"] == pytest.approx(bound.budget_bytes / MIB)
+    assert record["ops"]["fwd"]["fa"] == [8.0, 8.0] and record["ops"]["bwd"]["bb"] == [-8.0, 2.0]
+    table = plan_table(load_plan(tmp_path / "plan.json"))
+    assert "peak MiB" in table and f"planned peak {record['plan_peak_mib']:.1f} MiB" in table
+    rows = [line for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert [float(line.split()[-1]) for line in rows] == pytest.approx(
+        record["block_peak_mib"], abs=0.05)
+    assert "peak" not in plan_table(make_plan(fwd, bwd, costs))  # unbounded: no column
+
+
 def test_what_the_step_holds_outside_the_pairs_widens_the_budget(overlapping_layer):
     """A layer pair may reach the step's peak outside the layer pairs (the loss part's, on
     top of the same layers' activations) with no new peak: `outside_bytes` replaces the
