@@ -21,6 +21,7 @@ from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 from dhelix.ops.local_graph import LocalGraph, deliver_param_grads
 from dhelix.ops.registry import Kernel, register_kernel
+from dhelix.ops.weight_grad import weight_gradient
 from megatron_patches.layer_regions import attention_core, mlp_activation, run_forward_pre_hooks
 
 
@@ -57,8 +58,10 @@ class LinearDgrad(Kernel):
 @register_kernel
 class LinearWgrad(Kernel):
     """`grad_W = grad_output^T @ input` over all tokens (and `grad_b = sum(grad_output)`
-    when the bias is added inside the GEMM), computed and delivered by
-    `deliver_param_grads`. Inputs: (output gradient, GEMM input as used in the forward)."""
+    when the bias is added inside the GEMM), computed as Megatron's backward computes it
+    (`weight_grad.weight_gradient`: into `main_grad` under gradient accumulation fusion) and
+    delivered by `deliver_param_grads`. Inputs: (output gradient, GEMM input as used in the
+    forward)."""
 
     name, kind, op_class = "linear_wgrad", "comp", "gemm"
 
@@ -70,7 +73,7 @@ class LinearWgrad(Kernel):
         def compute():
             grad_output, total_input = prepare_input_tensors_for_wgrad_compute(*operands)
             operands.clear()
-            grads = [grad_output.t().matmul(total_input)]
+            grads = [weight_gradient(module, module.weight, grad_output, total_input)]
             if with_bias:
                 grads.append(grad_output.sum(dim=0))
             return grads

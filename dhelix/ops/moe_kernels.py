@@ -22,6 +22,7 @@ from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 from dhelix.ops.local_graph import LocalGraph, deliver_param_grads
 from dhelix.ops.registry import Kernel, register_kernel
+from dhelix.ops.weight_grad import weight_gradient
 from megatron_patches import moe_regions
 from megatron_patches.layer_regions import expert_activation, expert_fc2_bias, \
     run_forward_pre_hooks
@@ -293,7 +294,8 @@ class ExpertLinearDgrad(Kernel):
 @register_kernel
 class ExpertLinearWgrad(Kernel):
     """One local expert's (`attrs['expert']`) weight gradient `grad_i^T @ input_i`
-    (Megatron's wgrad computation), delivered to its weight by `deliver_param_grads`, as
+    (Megatron's wgrad computation, `weight_grad.weight_gradient`: into `main_grad` under
+    gradient accumulation fusion), delivered to its weight by `deliver_param_grads`, as
     Megatron's backward delivers it. Inputs (output-gradient rows, GEMM input rows, split
     sizes)."""
 
@@ -306,7 +308,7 @@ class ExpertLinearWgrad(Kernel):
 
         def compute():
             grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad, rows)
-            return [grad_output.t().matmul(total_input)]
+            return [weight_gradient(linear, linear.weight, grad_output, total_input)]
 
         deliver_param_grads([linear.weight], compute)
 
