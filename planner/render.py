@@ -44,7 +44,8 @@ def plan_table(plan: Plan, width: int = 34) -> str:
         peaks = None  # not this plan's blocks
     header = (f"{'#':>3} {'start':>8} {'forward ops':<{width}} {'backward ops':<{width}} "
               f"{'solo':>8} {'pred':>8} {'saved':>6}" + (f" {'peak':>8}" if peaks else ""))
-    lines += [header + ("  (ms; peak MiB)" if peaks else "  (ms)"), "-" * (len(header) + 16)]
+    units = "  (ms; peak MiB)" if peaks else "  (ms)"
+    lines += [header + units, "-" * len(header + units)]
     for number, block in enumerate(plan.blocks, start=1):
         solo = plan.block_solo_ms(block)
         saved = 1 - block.predicted_ms / solo if solo else 0.0

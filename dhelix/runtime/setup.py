@@ -279,14 +279,20 @@ def stage_plan_path(path: str, stage: int | None) -> Path:
 def _save_start_up_plan(path: str, plan, streamed: bool) -> str:
     """Write the plan this stage runs (built at start-up) for `--dhelix-save-plan`: the
     stage's first rank writes it (every rank of a stage holds the same plan), to
-    `stage_plan_path`; returns the phrase for the plan line. Collective over nothing."""
+    `stage_plan_path`; returns the phrase for the plan line. Collective over nothing; a
+    failed write is a `DHelixSetupError` (one line) on the writing rank."""
     from megatron.core import parallel_state
 
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else None
     target = stage_plan_path(path, stage)
     if dist.get_rank() == min(dist.get_process_group_ranks(_stage_group())):
-        save_plan(plan, target)
+        try:
+            save_plan(plan, target)
+        except OSError as exc:
+            raise DHelixSetupError(f"--dhelix-save-plan {target}: cannot be written "
+                                   f"({exc.strerror}); free space or fix the permissions "
+                                   "there, or choose another path") from exc
     note = " (the block plan: this run's SI blocks run streamed)" if streamed else ""
     if stage is not None:
         note += (f" (stage {stage}'s; each stage's in {stage_plan_path(path, 0).name} .. "
