@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dhelix.dag import topological_sort
 from planner.blocks import comm_mask
 from planner.costs import CostModel
 
@@ -271,3 +272,21 @@ def strand_alone_ms(order: Sequence[str], ops: dict, costs: CostModel, direction
         if compute is not None and compute[1] <= 1e-12:
             done.add(compute[0])
             compute = None
+
+
+def unhidden_alone_ms(dag, solo: dict) -> float:
+    """The least time a strand's collectives keep its computation waiting when it runs
+    alone with nothing beside it (a step's first forward without pipelining): its DAG's
+    longest path by the solo times, collectives included, less the sum of its
+    computations' solo times, or 0. One computation runs at a time, so the strand takes at
+    least the larger of the two; a layer whose collectives all stand on its one dependency
+    chain (a dense TP forward; an MoE forward's dispatch and combine) keeps every one of
+    them exposed. Nothing is slowed here, so it is a lower bound. `solo`: op id -> ms."""
+    ops = dag.by_id()
+    finish: dict = {}
+    for op_id in topological_sort(dag):
+        finish[op_id] = solo[op_id] + max((finish[d] for d in ops[op_id].deps if d in finish),
+                                          default=0.0)
+    longest = max(finish.values(), default=0.0)
+    computation = sum(solo[op.id] for op in dag.ops if op.kind != "comm")
+    return max(0.0, longest - computation)

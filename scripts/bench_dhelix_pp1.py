@@ -132,12 +132,15 @@ def _plan_costs(run) -> dict:
     without pipelining, also `layer_comm_ms` (the solo times of one layer's forward and
     backward collectives, summed), `layers_per_step` (m x layers) and `costs_source`
     ("profile" or "analytic"): the layers' communication a step carries, which the
-    report's overlap floor charges where the times were measured."""
+    report's overlap floor charges where the times were measured; and
+    `first_forward_unhidden_ms` / `first_forward_comm_ms`: what the collectives of the
+    step's first forward (this rank's layers, run with no partner) keep it waiting at
+    least, and their solo times, for the SI schedule's floor beside it."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from dhelix.runtime.setup import si_block_pairs
     from planner.baselines import sequential_pairing
-    from planner.cosched import simulate_block, strand_alone_ms
+    from planner.cosched import simulate_block, strand_alone_ms, unhidden_alone_ms
 
     setup, args = run.dhelix, run.args
     plan, seam = setup.plan, setup.runner.seam
@@ -178,6 +181,13 @@ def _plan_costs(run) -> dict:
         out["layers_per_step"] = layer_runs
         out["costs_source"] = setup.costs.source
         out["layer_comm_ms"] = layer_comm_ms
+        # the step's first forward runs alone: what its layers' collectives keep it waiting
+        # at least (`planner.cosched.unhidden_alone_ms`), and their solo times
+        local_layers = len(setup.runner.bound_layers)
+        out["first_forward_unhidden_ms"] = local_layers * unhidden_alone_ms(
+            dags["fwd"], setup.costs.solo_f)
+        out["first_forward_comm_ms"] = local_layers * sum(setup.costs.solo_f[o]
+                                                          for o in comm_f)
     if pairs is not None and getattr(setup.engine.passes, "defer_embedding_reduce", False):
         # the embedding's all-reduce travels while the SI block's backward strand computes
         # (`megatron_patches.deferred_reduce`): it takes the solo time of a layer's forward

@@ -337,3 +337,33 @@ def test_overlap_floor_under_the_gpu_emulation():
     assert "take 480 ms a step alone" in line and "25% slower" in line
     assert f"0.200 x that = {floor['floor_s'] * 1e3:.0f} ms" in line
     assert f"at most {floor['best_share']:.0%} of the achievable gain" in line
+    assert floor["si_floor_s"] is None and "SI schedule" not in line  # not recorded
+
+
+def test_si_floor_counts_the_unpaired_first_forward():
+    """Where the run recorded what the step's first forward keeps waiting on its
+    collectives (`first_forward_unhidden_ms`: it runs alone in an SI schedule), the SI
+    floor charges that in full for its collectives instead of the slowdown's share."""
+    from dhelix.bench.report import _overlap_floor_lines
+
+    raw = _raw()
+    emulated = {**raw, "gpu_emulation": {"overlap_slowdown": 0.25, "time_scale": 50}}
+    for rank in raw["ranks"]:  # the first forward: 3 layers, 6 ms of collectives each,
+        rank["plan_costs"] = {"dhelix": {  # all on their chains
+            "sequential_ms": 50.0, "planned_ms": 40.0, "paired_layers_per_step": 21,
+            "layers_per_step": 24, "layer_comm_ms": 20.0, "costs_source": "profile",
+            "first_forward_unhidden_ms": 18.0, "first_forward_comm_ms": 18.0}}
+    floor = summarise_config(emulated)["overlap_floor"]
+    t_meg, t_free = 4.1 * 1.01, 3.0 * 1.01
+    assert floor["si_floor_s"] == pytest.approx(floor["floor_s"] + (18.0 - 0.2 * 18.0) / 1e3)
+    assert floor["si_best_share"] == pytest.approx(
+        (t_meg - floor["si_floor_s"]) / (t_meg - t_free))
+    line = _overlap_floor_lines(floor)[0]
+    assert "keep it waiting at least 18 ms" in line
+    assert f"none gets under {floor['si_floor_s'] * 1e3:.0f} ms" in line
+    assert f"at most {t_meg / floor['si_floor_s']:.3f}x and {floor['si_best_share']:.1%}" in line
+    # a first forward whose collectives hide behind its own computation adds nothing
+    for rank in raw["ranks"]:
+        rank["plan_costs"]["dhelix"]["first_forward_unhidden_ms"] = 0.0
+    assert summarise_config(emulated)["overlap_floor"]["si_floor_s"] == pytest.approx(
+        floor["floor_s"])

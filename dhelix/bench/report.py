@@ -107,11 +107,24 @@ def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
     if not costs:
         return None
     slowdown = emulation["overlap_slowdown"]
+    hidden_cost = slowdown / (1 + slowdown)
     layer_comm_s = costs[0]["layer_comm_ms"] * costs[0]["layers_per_step"] / 1e3
-    floor = t_free + layer_comm_s * slowdown / (1 + slowdown)
+    floor = t_free + layer_comm_s * hidden_cost
     binds = bool(t_meg and bound_s is not None and t_meg > bound_s and floor > bound_s)
-    return {"floor_s": floor, "layer_comm_s": layer_comm_s, "slowdown": slowdown,
-            "best_share": (t_meg - floor) / (t_meg - bound_s) if binds else None}
+    result = {"floor_s": floor, "layer_comm_s": layer_comm_s, "slowdown": slowdown,
+              "best_share": (t_meg - floor) / (t_meg - bound_s) if binds else None,
+              "si_floor_s": None, "first_forward_unhidden_s": None, "si_best_share": None}
+    unhidden = costs[0].get("first_forward_unhidden_ms")
+    if unhidden is not None:
+        # the first forward runs alone in an SI schedule: its collectives charged what they
+        # keep it waiting, not the slowdown's share of their time
+        extra_s = max(0.0, unhidden - hidden_cost * costs[0]["first_forward_comm_ms"]) / 1e3
+        si_floor = floor + extra_s
+        binds = bool(t_meg and bound_s is not None and t_meg > bound_s and si_floor > bound_s)
+        result.update(si_floor_s=si_floor, first_forward_unhidden_s=unhidden / 1e3,
+                      si_best_share=(t_meg - si_floor) / (t_meg - bound_s) if binds else None,
+                      si_best_speedup=t_meg / si_floor if t_meg else None)
+    return result
 
 
 def _achievable_bound(link_floor: dict | None, t_free: float | None, megatron_cpu: dict | None,
@@ -315,15 +328,24 @@ def _overlap_floor_lines(floor: dict | None) -> list:
     (`_overlap_floor`), and the share of the achievable gain it leaves."""
     if not floor:
         return []
-    return [f"Overlap floor (emulated GPU): the layers' collectives take "
-            f"{floor['layer_comm_s'] * 1e3:.0f} ms a step alone (the plan's profile); "
-            f"computation beside one in flight runs {floor['slowdown']:.0%} slower, so no "
-            "schedule of these layers gets under the comm-free step + "
-            f"{floor['slowdown'] / (1 + floor['slowdown']):.3f} x that = "
-            f"{floor['floor_s'] * 1e3:.0f} ms"
-            + (f": at most {floor['best_share']:.0%} of the achievable gain."
-               if floor["best_share"] is not None
-               else ", not above T_bound (it does not bind here)."), ""]
+    lines = [f"Overlap floor (emulated GPU): the layers' collectives take "
+             f"{floor['layer_comm_s'] * 1e3:.0f} ms a step alone (the plan's profile); "
+             f"computation beside one in flight runs {floor['slowdown']:.0%} slower, so no "
+             "schedule of these layers gets under the comm-free step + "
+             f"{floor['slowdown'] / (1 + floor['slowdown']):.3f} x that = "
+             f"{floor['floor_s'] * 1e3:.0f} ms"
+             + (f": at most {floor['best_share']:.0%} of the achievable gain."
+                if floor["best_share"] is not None
+                else ", not above T_bound (it does not bind here).")]
+    if floor.get("si_floor_s") is not None:
+        lines[0] += (
+            f" An SI schedule also runs each step's first forward with no partner, whose "
+            f"collectives keep it waiting at least "
+            f"{floor['first_forward_unhidden_s'] * 1e3:.0f} ms (its layers' dependency "
+            f"chains), so none gets under {floor['si_floor_s'] * 1e3:.0f} ms"
+            + (f": at most {floor['si_best_speedup']:.3f}x and {floor['si_best_share']:.1%} "
+               "of the achievable gain." if floor["si_best_share"] is not None else "."))
+    return lines + [""]
 
 
 def _timeline_table(rows: list) -> list:

@@ -9,7 +9,8 @@ from tests.planner.planner_reference import exhaustive_best, random_dag, random_
 
 from dhelix.dag import OpDAG, OpNode, shared_channels, topological_violation
 from planner.blocks import Block, Pairing, layer_seam, pairing_violation
-from planner.cosched import block_cost_table, op_masks, simulate_block, strand_alone_ms
+from planner.cosched import block_cost_table, op_masks, simulate_block, strand_alone_ms, \
+    unhidden_alone_ms
 from planner.costs import build_cost_model
 from planner.dp import dp_search
 from planner.orders import candidate_orders
@@ -163,6 +164,30 @@ def test_a_strand_alone_computes_while_its_collective_is_in_flight():
                            fwd.by_id()) == pytest.approx(8.0)
     # the forward alone has no collective: the sum of its solo times
     assert strand_alone_ms(["g"], fwd.by_id(), costs, "fwd", bwd.by_id()) == pytest.approx(4.0)
+    # the least the collective keeps this strand waiting, whatever its order: its longest
+    # path (c then r, 5 ms) less its computation (w and r, 4 ms)
+    assert unhidden_alone_ms(bwd, costs.solo_b) == pytest.approx(1.0)
+    assert unhidden_alone_ms(fwd, costs.solo_f) == 0.0
+
+
+def test_collectives_on_the_one_chain_stay_exposed_alone():
+    """`unhidden_alone_ms` of a forward whose collectives stand on its dependency chain (a
+    dense TP layer, an MoE layer's dispatch and combine): all of their time; with a branch
+    beside the collective (a shared expert), only what the branch does not cover."""
+    def chain(*branch):
+        ops = [OpNode("a", "comp", "compute", (), "gemm", False, "gemm"),
+               OpNode("x", "comm", "inter", ("a",), "a2a", False, "all_to_all"),
+               *branch,
+               OpNode("b", "comp", "compute", ("x",), "gemm", False, "gemm"),
+               OpNode("y", "comm", "inter", ("b",), "a2a", False, "all_to_all"),
+               OpNode("z", "comp", "compute", ("y", *(o.id for o in branch)), "norm",
+                      False, "norm")]
+        return OpDAG("fwd", ops)
+    solo = {"a": 4.0, "x": 5.0, "b": 4.0, "y": 5.0, "z": 1.0, "s": 3.0}
+    assert unhidden_alone_ms(chain(), solo) == pytest.approx(10.0)
+    shared = OpNode("s", "comp", "compute", ("a",), "gemm", False, "gemm")
+    # the shared GEMM (3 ms) runs while x travels: the chain is 19 ms, the computation 12
+    assert unhidden_alone_ms(chain(shared), solo) == pytest.approx(7.0)
 
 
 def _collective_beside_a_chain(chain, solo, pairs):
