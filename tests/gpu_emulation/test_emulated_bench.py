@@ -114,3 +114,5 @@ def test_bench_body_runs_every_system_under_the_emulation():
         costs = r["plan_costs"]["dhelix"]
         assert costs["layers_per_step"] == 4 and costs["paired_layers_per_step"] == 2
         assert costs["layer_comm_ms"] > 0 and costs["costs_source"] == "analytic"
+        # the step's first forward (2 layers, alone): its collectives on the layers' chains
+        assert 0 < costs["first_forward_unhidden_ms"] <= costs["first_forward_comm_ms"]
