@@ -3,7 +3,7 @@ inspect or check plan files.
 
     dhelix plan --fwd-dag F --bwd-dag B [--profile P] [--pairer dp|sequential|round_robin]
                 [--max-orders N] [--wgrad-move K] [--model M] [--parallel L] [--hardware H]
-                -o PLAN
+                [--memory-from SAVED [--memory-margin MIB]] -o PLAN
     dhelix plan show PLAN [--png OUT.png] [--trace OUT.json]
     dhelix plan check PLAN [--fwd-dag F --bwd-dag B] [--profile P] [--model M]
                 [--parallel L] [--hardware H]
@@ -38,7 +38,60 @@ def _command_line(args) -> str:
     for name in ("model", "parallel", "hardware"):
         if getattr(args, name):
             words += [f"--{name}", getattr(args, name)]
+    if args.memory_from:
+        words += ["--memory-from", args.memory_from]
+        if args.memory_margin is not None:
+            words += ["--memory-margin", f"{args.memory_margin:g}"]
     return shlex.join(words + ["-o", args.output])
+
+
+def _fingerprints_from_saved(args) -> None:
+    """With `--memory-from SAVED`, the model and parallel fingerprints not given default to
+    SAVED's (its readings are of that run), so the plan is one that run accepts."""
+    if args.memory_from is None:
+        return
+    from planner.plan import UNSPECIFIED, load_plan
+
+    saved = load_plan(args.memory_from).fingerprint
+    for name in ("model", "parallel"):
+        if not getattr(args, name) and saved.get(name, UNSPECIFIED) != UNSPECIFIED:
+            setattr(args, name, saved[name])
+
+
+def _memory_bound(args, fwd, bwd):
+    """The memory bound of `--memory-from SAVED` (a plan that recorded its bound's
+    per-operator readings: one `--dhelix-save-plan` wrote for a run planning within the
+    bound) for these DAGs, with `--memory-margin` MiB in place of its margin when given;
+    None without `--memory-from`. Raises FormatError for a plan without readings or with
+    readings of other operators."""
+    from dhelix.dag import topological_sort
+    from planner.memory import MIB, OpMemory, make_bound
+    from planner.plan import load_plan
+
+    if args.memory_from is None:
+        if args.memory_margin is not None:
+            raise FormatError("--memory-margin needs --memory-from SAVED (the per-operator "
+                              "memory a --dhelix-save-plan file holds)")
+        return None
+    record = load_plan(args.memory_from).search.get("memory") or {}
+    if "ops" not in record:
+        raise FormatError(f"{args.memory_from}: holds no per-operator memory readings (it was "
+                          "not built within a memory bound at start-up); save one with "
+                          "--dhelix-save-plan from a --dhelix run of the dp pairer")
+    readings = {}
+    for dag in (fwd, bwd):
+        ops = record["ops"][dag.direction]
+        if set(ops) != set(dag.by_id()):
+            path = args.fwd_dag if dag.direction == "fwd" else args.bwd_dag
+            raise FormatError(f"{args.memory_from}: its memory readings are for other "
+                              f"{dag.direction} operators than {path}'s; save the plan of a "
+                              "run of this layer")
+        readings[dag.direction] = OpMemory({o: v[0] * MIB for o, v in ops.items()},
+                                           {o: v[1] * MIB for o, v in ops.items()})
+    margin = record["margin_mib"] if args.memory_margin is None else args.memory_margin
+    return make_bound(topological_sort(fwd), topological_sort(bwd), readings["fwd"],
+                      readings["bwd"], margin * MIB, record["outside_mib"] * MIB,
+                      record["pair_start_mib"] * MIB, record["input_mib"] * MIB)
 
 
 def _load_inputs(args):
@@ -93,10 +146,12 @@ def run_build(args) -> int:
         return _fail(f"building a plan needs {', '.join(missing)} "
                      f"(or use `dhelix plan show PLAN`)")
     try:
+        _fingerprints_from_saved(args)
         fwd, bwd, costs, profile = _load_inputs(args)
+        memory = _memory_bound(args, fwd, bwd)
         plan = make_plan(fwd, bwd, costs, args.pairer, args.max_orders, args.wgrad_move,
                          model=args.model or UNSPECIFIED, parallel=args.parallel or UNSPECIFIED,
-                         hardware=args.hardware, command=_command_line(args))
+                         hardware=args.hardware, command=_command_line(args), memory=memory)
         save_plan(plan, args.output)
     except (FormatError, ValueError) as exc:
         return _fail(str(exc))
@@ -104,6 +159,11 @@ def run_build(args) -> int:
           f"{plan.sequential_ms:.3f} ms -> planned {plan.planned_ms:.3f} ms "
           f"(speedup {plan.speedup:.3f}x), searched {plan.search['fwd_orders']} x "
           f"{plan.search['bwd_orders']} orders in {plan.search['seconds']} s")
+    if memory is not None:
+        recorded = plan.search["memory"]
+        print(f"memory bound: {recorded['budget_mib']:.1f} MiB above a layer pair's start "
+              f"(reference {recorded['reference_mib']:.1f}, margin {recorded['margin_mib']:.1f}"
+              f"); planned peak {recorded['plan_peak_mib']:.1f} MiB")
     if costs.source != "profile":
         print("note: no --profile given, so every time is the analytic default (estimated)")
     else:
@@ -191,6 +251,12 @@ def register(subparsers) -> None:
                    help="how many slots a movable (wgrad) op may move from its program "
                    f"position (default {DEFAULT_WGRAD_MOVE})")
     _fingerprint_options(p)
+    p.add_argument("--memory-from", metavar="SAVED",
+                   help="plan within the memory bound recorded in SAVED (a plan file "
+                   "--dhelix-save-plan wrote: its per-operator readings), as the run did")
+    p.add_argument("--memory-margin", type=float, default=None, metavar="MIB",
+                   help="with --memory-from: this margin (MiB above the sequential plan's "
+                   "peak) instead of SAVED's, to see what more or less memory buys")
     p.add_argument("-o", "--output", metavar="PLAN", help="plan file to write")
     p.set_defaults(func=run_build)
 

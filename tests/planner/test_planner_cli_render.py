@@ -125,3 +125,62 @@ def test_benchmark_script_runs(tmp_path, capsys):
     written = tmp_path / "tp8_sp_intra_node"
     assert load_plan(written / "plan.json").pairer == "dp"
     assert (written / "plan.png").stat().st_size > 20_000
+
+
+def _saved_with_memory(files):
+    """A plan saved as `--dhelix-save-plan` writes one: built within a memory bound from
+    per-operator readings (synthetic here: each forward op keeps 2 MiB, each backward op
+    frees 1 MiB after 3 MiB of temporaries), with a model and parallel fingerprint."""
+    from dhelix.dag import load_dag, topological_sort
+    from planner.memory import MIB, OpMemory, make_bound
+    from planner.plan import save_plan
+    from profiler.profile_file import load_profile
+
+    fwd, bwd = load_dag(files / "fwd.json"), load_dag(files / "bwd.json")
+    mem_f = OpMemory({o.id: 2 * MIB for o in fwd.ops}, {o.id: 2 * MIB for o in fwd.ops})
+    mem_b = OpMemory({o.id: -MIB for o in bwd.ops}, {o.id: 3 * MIB for o in bwd.ops})
+    bound = make_bound(topological_sort(fwd), topological_sort(bwd), mem_f, mem_b, 4 * MIB)
+    costs = build_cost_model(fwd, bwd, load_profile(files / "profile.json"))
+    plan = make_plan(fwd, bwd, costs, max_orders=6, wgrad_move=2, model="m1", parallel="tp=8",
+                     memory=bound)  # the search `_build` runs
+    save_plan(plan, files / "saved.json")
+    return plan
+
+
+def test_replan_within_a_saved_plans_memory_bound(files, capsys):
+    """`--memory-from SAVED` plans within the bound SAVED recorded (its readings, the
+    run's fingerprints), as the run did; `--memory-margin` trades memory for time."""
+    saved = _saved_with_memory(files)
+    common = ["--profile", str(files / "profile.json"), "--memory-from",
+              str(files / "saved.json")]
+    assert _build(files, *common) == 0
+    out = capsys.readouterr().out
+    same = load_plan(files / "plan.json")
+    assert "memory bound: " in out and same.fingerprint["model"] == "m1"
+    assert same.fingerprint["parallel"] == "tp=8"
+    assert [(b.fwd, b.bwd) for b in same.blocks] == [(b.fwd, b.bwd) for b in saved.blocks]
+    assert same.search["memory"]["budget_mib"] == saved.search["memory"]["budget_mib"]
+    assert _build(files, *common, "--memory-margin", "0") == 0
+    tight = load_plan(files / "plan.json")
+    assert tight.search["memory"]["margin_mib"] == 0.0
+    assert tight.search["memory"]["plan_peak_mib"] <= tight.search["memory"]["budget_mib"]
+    assert "--memory-margin 0" in tight.command
+    assert _build(files, *common, "--memory-margin", "1000") == 0
+    loose = load_plan(files / "plan.json")
+    assert loose.planned_ms <= same.planned_ms <= tight.planned_ms
+    capsys.readouterr()
+
+
+def test_replan_refuses_saved_plans_without_fitting_readings(files, capsys):
+    assert _build(files, "--memory-margin", "10") == 2
+    assert "--memory-margin needs --memory-from SAVED" in capsys.readouterr().err
+    assert _build(files) == 0  # a plan without a memory bound: no readings
+    (files / "plan.json").rename(files / "unbounded.json")
+    assert _build(files, "--memory-from", str(files / "unbounded.json")) == 2
+    assert "holds no per-operator memory readings" in capsys.readouterr().err
+    _saved_with_memory(files)
+    other_f, other_b = layer_dags()  # another layer's operators
+    save_dag(other_f, files / "fwd.json")
+    save_dag(other_b, files / "bwd.json")
+    assert _build(files, "--memory-from", str(files / "saved.json")) == 2
+    assert "memory readings are for other bwd operators" in capsys.readouterr().err
