@@ -11,7 +11,7 @@ from planner.blocks import Pairing, check_pairing
 from planner.cosched import simulate_block
 from planner.costs import CostModel
 from planner.dp import dp_search
-from planner.memory import MIB, MemoryBound, block_peaks
+from planner.memory import MIB, MemoryBound, block_peaks, readings_mib
 from planner.plan import UNSPECIFIED, Plan, PlanBlock, dag_sha
 
 PAIRERS = ("dp", "sequential", "round_robin")
@@ -49,12 +49,9 @@ def _memory_record(pairing: Pairing, memory: MemoryBound) -> dict:
     direction, op id -> [delta, transient]), so `dhelix plan show` can print them and the
     plan can be re-bounded offline."""
     peaks = block_peaks(pairing, memory.fwd, memory.bwd, memory.input_bytes)
-    ops = {direction: {op: [round(readings.delta[op] / MIB, 3),
-                            round(readings.transient[op] / MIB, 3)]
-                       for op in readings.delta}
-           for direction, readings in (("fwd", memory.fwd), ("bwd", memory.bwd))}
     return {**memory.summary(), "plan_peak_mib": round(max([0.0, *peaks]) / MIB, 3),
-            "block_peak_mib": [round(peak / MIB, 3) for peak in peaks], "ops": ops}
+            "block_peak_mib": [round(peak / MIB, 3) for peak in peaks],
+            "ops": {"fwd": readings_mib(memory.fwd), "bwd": readings_mib(memory.bwd)}}
 
 
 def make_plan(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairer: str = "dp",

@@ -65,7 +65,7 @@ def _memory_bound(args, fwd, bwd):
     None without `--memory-from`. Raises FormatError for a plan without readings or with
     readings of other operators."""
     from dhelix.dag import topological_sort
-    from planner.memory import MIB, OpMemory, make_bound
+    from planner.memory import bound_from_record
     from planner.plan import load_plan
 
     if args.memory_from is None:
@@ -78,20 +78,14 @@ def _memory_bound(args, fwd, bwd):
         raise FormatError(f"{args.memory_from}: holds no per-operator memory readings (it was "
                           "not built within a memory bound at start-up); save one with "
                           "--dhelix-save-plan from a --dhelix run of the dp pairer")
-    readings = {}
     for dag in (fwd, bwd):
-        ops = record["ops"][dag.direction]
-        if set(ops) != set(dag.by_id()):
+        if set(record["ops"][dag.direction]) != set(dag.by_id()):
             path = args.fwd_dag if dag.direction == "fwd" else args.bwd_dag
             raise FormatError(f"{args.memory_from}: its memory readings are for other "
                               f"{dag.direction} operators than {path}'s; save the plan of a "
                               "run of this layer")
-        readings[dag.direction] = OpMemory({o: v[0] * MIB for o, v in ops.items()},
-                                           {o: v[1] * MIB for o, v in ops.items()})
-    margin = record["margin_mib"] if args.memory_margin is None else args.memory_margin
-    return make_bound(topological_sort(fwd), topological_sort(bwd), readings["fwd"],
-                      readings["bwd"], margin * MIB, record["outside_mib"] * MIB,
-                      record["pair_start_mib"] * MIB, record["input_mib"] * MIB)
+    return bound_from_record(record, topological_sort(fwd), topological_sort(bwd),
+                             args.memory_margin)
 
 
 def _load_inputs(args):

@@ -102,6 +102,27 @@ class MemoryBound:
                 "budget_mib": round(self.budget_bytes / MIB, 3)}
 
 
+def readings_mib(memory: OpMemory) -> dict:
+    """Per-operator readings as a plan records them (`planner.build`): op id -> [delta,
+    transient] in MiB (3 decimals); `bound_from_record` reads them back."""
+    return {op: [round(memory.delta[op] / MIB, 3), round(memory.transient[op] / MIB, 3)]
+            for op in memory.delta}
+
+
+def bound_from_record(record: dict, fwd_order, bwd_order,
+                      margin_mib: float | None = None) -> MemoryBound:
+    """The bound a plan recorded (`search.memory`: `MemoryBound.summary` and the readings of
+    both directions, `ops`), rebuilt over these program orders, with `margin_mib` in place of
+    its margin when given."""
+    readings = [OpMemory({o: v[0] * MIB for o, v in record["ops"][d].items()},
+                         {o: v[1] * MIB for o, v in record["ops"][d].items()})
+                for d in ("fwd", "bwd")]
+    margin = record["margin_mib"] if margin_mib is None else margin_mib
+    return make_bound(fwd_order, bwd_order, *readings, margin * MIB,
+                      record["outside_mib"] * MIB, record["pair_start_mib"] * MIB,
+                      record["input_mib"] * MIB)
+
+
 def live_and_peak(order: Sequence[str], memory: OpMemory) -> tuple[np.ndarray, np.ndarray]:
     """(L, P) of an order: `L[k]` live bytes after k ops (k = 0..n, L[0] = 0), `P[k]` the
     most while op k runs (k = 1..n; P[0] = -inf)."""

@@ -173,21 +173,19 @@ def _plan_costs(run) -> dict:
     same_layers = all(set(layer.programs.dags()["fwd"].by_id()) == set(fwd)
                       for layer in setup.runner.bound_layers)
     comm_f = [o for o, node in fwd.items() if node.kind == "comm"]
+    fwd_comm_ms = sum(setup.costs.solo_f[o] for o in comm_f)
     # the solo times of one layer's forward and backward collectives, summed
-    layer_comm_ms = (sum(setup.costs.solo_f[o] for o in comm_f)
-                     + sum(setup.costs.solo_b[o] for o, node in bwd.items()
-                           if node.kind == "comm"))
+    layer_comm_ms = fwd_comm_ms + sum(setup.costs.solo_b[o] for o, node in bwd.items()
+                                      if node.kind == "comm")
     if layer_runs is not None and same_layers:  # a mixed stack's layers differ: not summed
         out["layers_per_step"] = layer_runs
         out["costs_source"] = setup.costs.source
         out["layer_comm_ms"] = layer_comm_ms
         # the step's first forward runs alone: what its layers' collectives keep it waiting
         # at least (`planner.cosched.unhidden_alone_ms`), and their solo times
-        local_layers = len(setup.runner.bound_layers)
-        out["first_forward_unhidden_ms"] = local_layers * unhidden_alone_ms(
-            dags["fwd"], setup.costs.solo_f)
-        out["first_forward_comm_ms"] = local_layers * sum(setup.costs.solo_f[o]
-                                                          for o in comm_f)
+        out["first_forward_unhidden_ms"] = layers * unhidden_alone_ms(dags["fwd"],
+                                                                      setup.costs.solo_f)
+        out["first_forward_comm_ms"] = layers * fwd_comm_ms
     if pairs is not None and getattr(setup.engine.passes, "defer_embedding_reduce", False):
         # the embedding's all-reduce travels while the SI block's backward strand computes
         # (`megatron_patches.deferred_reduce`): it takes the solo time of a layer's forward
