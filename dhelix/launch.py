@@ -130,12 +130,16 @@ def _launcher_problem(args) -> str | None:
     return None
 
 
-def torchrun_command(args, megatron_args: list[str]) -> list[str]:
+def torchrun_command(args, megatron_args: list[str], log_dir: str | None = None) -> list[str]:
     """The torchrun command line `dhelix train` runs (this Python's torch.distributed.run,
-    the plugin's launcher `dhelix.megatron_lm` with scripts/pretrain_gpt.py)."""
+    the plugin's launcher `dhelix.megatron_lm` with scripts/pretrain_gpt.py); `log_dir`:
+    torchrun's `--log-dir` (by default torchrun makes a /tmp/torchelastic_* directory
+    per run and leaves it behind)."""
     cmd = [sys.executable, "-m", "torch.distributed.run",
            "--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes),
            "--node-rank", str(args.node_rank)]
+    if log_dir:
+        cmd += ["--log-dir", log_dir]
     if args.master_addr:
         cmd += ["--master-addr", args.master_addr]
     if args.master_port is not None:
@@ -186,7 +190,8 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="dhelix-train-") as tmp:
         error_file = Path(tmp) / "errors"
         env = dict(os.environ, **{ERROR_FILE_ENV: str(error_file)})
-        code = _wait(subprocess.Popen(torchrun_command(args, megatron_args), env=env))
+        command = torchrun_command(args, megatron_args, log_dir=str(Path(tmp) / "torchrun"))
+        code = _wait(subprocess.Popen(command, env=env))
         message = _first_error(error_file)
     if code != 0 and message:
         print(f"error: {message}", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ time (after torchrun's failure report); a good run exits 0. Its presets (`dhelix
 expand to Megatron arguments, and a preset that cannot be read is one line.
 (Plain torchrun of the plugin: `tests/test_megatron_lm_faults.py`.)"""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,13 @@ PLUGIN_TINY = TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer",
 HELP = "python -m dhelix.megatron_lm SCRIPT --help lists the arguments"
 
 
-def _run(cmd, timeout=240):
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(cmd, timeout=240, env=None):
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
-def _dhelix_train(*args, timeout=240):
-    return _run([sys.executable, "-m", "dhelix", "train", *args], timeout=timeout)
+def _dhelix_train(*args, timeout=240, env=None):
+    return _run([sys.executable, "-m", "dhelix", "train", *args], timeout=timeout, env=env)
 
 
 def _start_dhelix_train(argvs) -> list:
@@ -61,6 +63,12 @@ def _lines(text):
 
 def _errors(text):
     return [ln for ln in _lines(text) if ln.startswith("error: ")]
+
+
+def _run_leftovers(temp: Path) -> list:
+    """What a run left in its temporary directory but torch's shared compile cache
+    (torchinductor_<user>, kept across runs on purpose)."""
+    return [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]
 
 
 BAD_INPUT_TEST = "test_bad_input_is_refused_before_torchrun_starts"
@@ -157,9 +165,13 @@ def test_unusable_preset_is_one_line(tmp_path):
 def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path, bad_input):
     # (`bad_input` is asked for only to start those processes beside this test's runs)
     ckpt = tmp_path / "ckpt"
+    temp = tmp_path / "tmp"  # dhelix train's and torchrun's temporary files go here
+    temp.mkdir()
+    in_temp = dict(os.environ, TMPDIR=str(temp))
     good = _dhelix_train("--nproc-per-node", "2", *PLUGIN_TINY, "--save", str(ckpt),
-                         "--save-interval", "1", "--dhelix")
+                         "--save-interval", "1", "--dhelix", env=in_temp)
     assert good.returncode == 0, good.stderr[-3000:]
+    assert _run_leftovers(temp) == []  # torchrun's log directory (--log-dir) removed
     assert "error:" not in good.stderr and "dhelix: SI schedule" in good.stdout
     assert " iteration        1/       1 |" in good.stdout
     # The arguments are valid, so torchrun starts both ranks; the checkpoint they load has
@@ -169,7 +181,7 @@ def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path, bad_input
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     bad = _dhelix_train("--nproc-per-node", "2", *PLUGIN_TINY, "--load", str(ckpt),
-                        "--train-iters", "2", "--dhelix")
+                        "--train-iters", "2", "--dhelix", env=in_temp)
     lines = _lines(bad.stderr)
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert any("ChildFailedError" in ln for ln in lines)  # torchrun ran and reported
@@ -178,6 +190,7 @@ def test_good_run_exits_0_and_run_time_error_is_printed_last(tmp_path, bad_input
         "(its bytes changed since the save); nothing was loaded; no earlier iteration is "
         f"saved under {ckpt}; start without --load"), lines[-5:]
     assert sum(ln.startswith("error: ") for ln in lines) == 1
+    assert _run_leftovers(temp) == []
 
 
 @pytest.mark.slow  # six `dhelix train` processes, five importing Megatron-LM

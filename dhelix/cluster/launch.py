@@ -26,9 +26,11 @@ which kills whatever is still inside the namespaces.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,15 +81,18 @@ class NodeJob:
     extra_env: dict = field(default_factory=dict)
     placement: CorePlacement = CorePlacement(reason="no placement requested")
 
-    def argv(self, node: int) -> list[str]:
+    def argv(self, node: int, log_dir: str | None = None) -> list[str]:
         """torchrun's command line for `node` (prefixed by the pinning to the node's
-        computation cores when the placement is separate)."""
+        computation cores when the placement is separate); `log_dir`: torchrun's
+        `--log-dir` (where it keeps its per-rank error files; by default a new
+        /tmp/torchelastic_* directory it never removes)."""
         pin = (pin_prefix(sys.executable, self.placement.nodes[node].compute)
                if self.placement.separate else [])
+        logs = ["--log-dir", log_dir] if log_dir else []
         return [*pin, self.torchrun, "--nnodes", str(self.nodes), "--node-rank", str(node),
                 "--nproc-per-node", str(self.ranks_per_node),
                 "--master-addr", RunNames.node_address(0),
-                "--master-port", str(self.master_port), *self.command]
+                "--master-port", str(self.master_port), *logs, *self.command]
 
     def environment(self, node: int, base: dict | None = None) -> dict:
         env = dict(os.environ if base is None else base)
@@ -131,11 +136,14 @@ class NodeGroup:
                                                  flush=True))
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[LinePump] = []
+        self.torchrun_logs: str | None = None  # removed by stop()
 
     def start(self) -> None:
+        self.torchrun_logs = tempfile.mkdtemp(prefix=f"dhelix-{self.names.run_id}-torchrun-")
         for node in range(self.job.nodes):
+            log_dir = os.path.join(self.torchrun_logs, f"node{node}")
             proc = subprocess.Popen(
-                self.host.netns_exec(self.names.node_ns(node)) + self.job.argv(node),
+                self.host.netns_exec(self.names.node_ns(node)) + self.job.argv(node, log_dir),
                 env=self.job.environment(node), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True,  # our own process group: stop() signals it whole
@@ -182,7 +190,7 @@ class NodeGroup:
 
     def stop(self) -> None:
         """SIGTERM every running torchrun, SIGKILL after the grace period, reap them all,
-        and let the output pumps drain (idempotent)."""
+        then remove torchrun's log directory (idempotent)."""
         running = [proc for proc in self.procs if proc.poll() is None]
         for proc in running:
             _signal_group(proc, signal.SIGTERM)
@@ -193,6 +201,9 @@ class NodeGroup:
             except subprocess.TimeoutExpired:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
+        if self.torchrun_logs is not None:
+            shutil.rmtree(self.torchrun_logs, ignore_errors=True)
+            self.torchrun_logs = None
 
     def join_output(self, timeout_s: float = 5.0) -> None:
         """Wait for the output pumps (call after the namespaces are empty)."""

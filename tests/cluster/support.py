@@ -66,10 +66,12 @@ def netem_unavailable_reason() -> str | None:
         subprocess.run([ip, "netns", "del", namespace], capture_output=True)
 
 
-def launch(args: list[str], timeout_s: float = 90) -> subprocess.CompletedProcess:
-    """Run the launcher to completion; stdout/stderr captured as text."""
+def launch(args: list[str], timeout_s: float = 90,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the launcher to completion (`env`: its environment, default this one's);
+    stdout/stderr captured as text."""
     return subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True,
-                          text=True, timeout=timeout_s, cwd=ROOT)
+                          text=True, timeout=timeout_s, cwd=ROOT, env=env)
 
 
 def run_id_of(result: subprocess.CompletedProcess) -> str:

@@ -44,11 +44,14 @@ def _assert_clean(run_id: str, before: tuple[str, str], token: str | None = None
 
 
 @pytest.mark.slow
-def test_two_nodes_two_ranks_topology_shaping_and_cleanup():
+def test_two_nodes_two_ranks_topology_shaping_and_cleanup(tmp_path):
     before = host_network_state()
+    temp = tmp_path / "tmp"  # the launcher's and torchrun's temporary files go here
+    temp.mkdir()
     result = launch(["--nodes", "2", "--ranks-per-node", "2", "--bandwidth", "50mbit",
-                     "--", PROBE])
+                     "--", PROBE], env=dict(os.environ, TMPDIR=str(temp)))
     assert result.returncode == 0, result.stderr[-4000:]
+    assert list(temp.iterdir()) == []  # torchrun's log directories (--log-dir) removed
     records = sorted((json.loads(line.split("PROBE ", 1)[1])
                       for line in result.stdout.splitlines() if "PROBE " in line),
                      key=lambda r: r["rank"])

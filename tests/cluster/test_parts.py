@@ -185,6 +185,8 @@ def test_torchrun_command_line_and_rank_environment():
     assert job.argv(2) == ["/v/torchrun", "--nnodes", "3", "--node-rank", "2",
                            "--nproc-per-node", "2", "--master-addr", "10.77.0.1",
                            "--master-port", "1234", "train.py", "--tp", "2"]
+    assert job.argv(0, "/t/logs/node0")[-5:] == ["--log-dir", "/t/logs/node0", "train.py",
+                                                 "--tp", "2"]
     env = job.environment(1, base={"PATH": "/bin", "GLOO_SOCKET_IFNAME": "wrong"})
     assert env["GLOO_SOCKET_IFNAME"] == "eth0,eth0" and env["PATH"] == "/bin"
     assert (env["DHELIX_NUM_NODES"], env["DHELIX_RANKS_PER_NODE"],
