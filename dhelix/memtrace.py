@@ -18,6 +18,12 @@ Not counted: storage that existed before the call (parameters, inputs the caller
 persistent buffers such as Megatron's global memory buffer once allocated) - frees of such
 storage are ignored, so the reading never goes below what the call itself allocated - and
 memory outside torch's allocator (Python objects).
+
+Over-counted on CPU: the profiler records a free only on a thread it follows (the calling
+thread), so storage whose last reference dies on another thread (a C++ thread completing a
+collective, a helper thread) stays counted until a later allocation reuses its address (the
+retiring rule below). Code that keeps collectives in flight reads high by up to the tensors
+freed that way (docs/benchmark.md, "Caveats").
 """
 
 from __future__ import annotations
