@@ -3,7 +3,8 @@
 Node i runs, inside its namespace,
 
     torchrun --nnodes N --node-rank i --nproc-per-node R \
-             --master-addr <node 0 address> --master-port P  <command...>
+             --master-addr <node 0 address> --master-port P --log-dir <run's dir>/node<i> \
+             <command...>
 
 (pinned to the node's computation cores when the host has enough cores for a placement,
 `dhelix.cluster.cores`), with gloo bound to the node's link (`GLOO_SOCKET_IFNAME=eth0,eth0`:
@@ -19,8 +20,10 @@ Supervision (`NodeGroup.wait`): the first node that exits non-zero decides the e
 of waiting on a collective that will never complete; if the overall timeout expires first
 the exit code is 124 (as with timeout(1)). `NodeGroup.stop()` sends SIGTERM to every
 torchrun still running (torchrun passes it on to its ranks), waits a grace period, then
-SIGKILLs them. Processes torchrun did not take down are left to `EmulatedNetwork.down()`,
-which kills whatever is still inside the namespaces.
+SIGKILLs them, then removes the run's torchrun log directory (a temporary directory of
+its own: without `--log-dir` torchrun leaves a /tmp/torchelastic_* directory per run).
+Processes torchrun did not take down are left to `EmulatedNetwork.down()`, which kills
+whatever is still inside the namespaces.
 """
 
 from __future__ import annotations
