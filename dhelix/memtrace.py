@@ -22,8 +22,8 @@ memory outside torch's allocator (Python objects).
 Over-counted on CPU: the profiler records a free only on a thread it follows (the calling
 thread), so storage whose last reference dies on another thread (a C++ thread completing a
 collective, a helper thread) stays counted until a later allocation reuses its address (the
-retiring rule below). Code that keeps collectives in flight reads high by up to the tensors
-freed that way (docs/benchmark.md, "Caveats").
+retiring rule below): a reading is high by up to the tensors freed that way (gloo's own
+collectives release theirs on gloo's threads; docs/benchmark.md, "Caveats").
 """
 
 from __future__ import annotations
