@@ -79,8 +79,12 @@ class Job:
         self.out, self.err = workdir / f"{self.marker}.out", workdir / f"{self.marker}.err"
         env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: self.marker})
         env.pop("DHELIX_ERROR_FILE", None)
+        # torchrun's logs in the test's directory (its default, a /tmp/torchelastic_*
+        # directory per job, is never removed)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "dhelix.megatron_lm", SCRIPT, *argv]
+               "--master-port", str(free_port()),
+               "--log-dir", str(workdir / f"{self.marker}.torchrun"),
+               "-m", "dhelix.megatron_lm", SCRIPT, *argv]
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
         self.started = time.monotonic()

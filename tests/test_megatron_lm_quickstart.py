@@ -30,12 +30,14 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*5 \|.*?lm loss: (\S+)")
 VALIDATION = re.compile(r"validation loss at iteration 5\b.*?\| lm loss value: (\S+) \|")
 
 
-def _train(extra):
+def _train(extra, log_dir):
     """Run the quick start with `extra` on 4 ranks under torchrun, in a shell's environment
     (Megatron's JIT warm-up compiled, as a user's run does; the other tests' processes run
-    it eagerly, tests/conftest.py)."""
+    it eagerly, tests/conftest.py); torchrun's logs under `log_dir` (its default, a
+    /tmp/torchelastic_* directory per run, is never removed)."""
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    command = [TORCHRUN, "--nproc-per-node", "4", *QUICK_START, *extra]
+    command = [TORCHRUN, "--nproc-per-node", "4", "--log-dir", str(log_dir), *QUICK_START,
+               *extra]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -48,9 +50,10 @@ def _train(extra):
 
 
 def test_quick_start_with_and_without_dhelix(tmp_path):
-    stock, _ = _train([])
+    stock, _ = _train([], tmp_path / "torchrun.stock")
     saved = tmp_path / "plan.json"
-    dhelix, out = _train(["--dhelix", "--dhelix-save-plan", str(saved)])
+    dhelix, out = _train(["--dhelix", "--dhelix-save-plan", str(saved)],
+                         tmp_path / "torchrun.dhelix")
     assert "dhelix: W-shaped schedule over the folded model" in out
     _check_saved_plans(saved, out)
     print(f"stock: {stock}\n--dhelix: {dhelix}")

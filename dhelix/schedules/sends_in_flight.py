@@ -11,11 +11,17 @@ every micro-batch's (measured on the emulated GPU: 16 tensors of 32 MiB a rank, 
 - CPU tensors (gloo): a gloo point-to-point Work reports `is_completed()` False until it
   was waited on (torch 2.13: it has no future either), and a second wait never returns. A
   watcher thread (`dhelix.waiter_thread.WaiterThread`) is the one waiter: it waits for the
-  sends in the order they were posted and drops each one's tensor as soon as its wait
-  returns. It is started on the first CPU send and stopped by `finish()`/`abandon()`.
+  sends in the order they were posted and, as each wait returns, hands the send's tensor
+  and Work back to the caller, whose next `release_finished()` (or `finish()`) drops them.
+  The watcher never holds the last reference: a tensor freed on a thread other than the
+  one running the model is invisible to the CPU memory reading (`dhelix.memtrace`: the
+  profiler records frees only on the thread it follows), which then counted sent tensors
+  long after their sends completed. It is started on the first CPU send and stopped by
+  `finish()`/`abandon()`.
 
 Guarantees: `add` never blocks. A tensor is referenced here until its send completed, then
-dropped (its storage freed when nobody else holds it; on CPU by the watcher thread).
+dropped by the caller's next `release_finished()` / `finish()` (its storage freed on the
+caller's thread when nobody else holds it).
 `finish()` returns once every send completed and raises the first error a send's wait
 raised (also raised by the `release_finished()` after it happened). `abandon()` stops
 the watcher without waiting for what is in flight (the failure path: a send to a dead
@@ -51,13 +57,18 @@ class SendsInFlight:
         self._sends: list[_Send] = []
         self._watcher = WaiterThread(WATCHER_THREAD_NAME)
         self._error: BaseException | None = None
+        # (tensor, Work) of CPU sends the watcher saw complete, for the caller to drop
+        self._finished: list = []
+        self._finished_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._sends)
 
     def held_bytes(self) -> int:
-        """Bytes of the tensors still held for sends not seen complete."""
-        held = [s.tensor for s in self._sends]
+        """Bytes of the tensors still held: sends not seen complete, and completed ones the
+        caller has not released yet."""
+        with self._finished_lock:
+            held = [s.tensor for s in self._sends] + [t for t, _ in self._finished]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def add(self, work, tensor: torch.Tensor) -> None:
@@ -68,12 +79,15 @@ class SendsInFlight:
             self._watcher.submit(lambda: self._settle(send))
 
     def release_finished(self) -> None:
-        """Forget the sends seen complete (their tensors are dropped); raise a send's error."""
+        """Forget the sends seen complete, dropping their tensors on this thread; raise a
+        send's error."""
         self._raise_error()
         self._sends = [s for s in self._sends if not self._completed(s)]
+        self._drop_finished()
 
     def finish(self) -> None:
-        """Wait for every send; stop the watcher; raise the first send error."""
+        """Wait for every send; stop the watcher; drop every tensor on this thread; raise
+        the first send error."""
         for send in self._sends:
             if send.on_cpu:
                 send.done.wait()
@@ -81,6 +95,7 @@ class SendsInFlight:
                 send.work.wait()
         self._sends = []
         self._watcher.close(join=True)
+        self._drop_finished()
         self._raise_error()
 
     def abandon(self) -> None:
@@ -88,6 +103,12 @@ class SendsInFlight:
         this object's hold on the tensors (the watcher keeps the one it waits on)."""
         self._sends = []
         self._watcher.close(join=False)
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        with self._finished_lock:
+            finished, self._finished = self._finished, []
+        del finished  # the last references, on the caller's thread
 
     def _completed(self, send: _Send) -> bool:
         if send.on_cpu:
@@ -95,13 +116,15 @@ class SendsInFlight:
         return send.work.is_completed()
 
     def _settle(self, send: _Send) -> None:
-        """The watcher thread's part for one CPU send: wait, keep the first error, drop the
-        tensor and the Work, mark it done."""
+        """The watcher thread's part for one CPU send: wait, keep the first error, hand the
+        tensor and the Work to the caller, mark it done."""
         try:
             send.work.wait()
         except BaseException as error:  # reported on the caller's thread
             if self._error is None:
                 self._error = error
+        with self._finished_lock:  # handed to the caller, who drops them (module docstring)
+            self._finished.append((send.tensor, send.work))
         send.tensor = None
         send.work = None
         send.done.set()

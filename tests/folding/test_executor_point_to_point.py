@@ -148,7 +148,10 @@ def _run(ctx, store, tag, engine: str, transfer_groups, land_ahead=False):
 
 def _sends_released(ctx) -> dict:
     """Rank 0 sends 4 tensors held only by a `SendsInFlight`; once rank 1 has received them
-    (a barrier after its waits), rank 0's `release_finished()` drops them within 30 s."""
+    (a barrier after its waits), rank 0's `release_finished()` drops them within 30 s, on
+    rank 0's own thread (a free on the watcher thread would be invisible to the CPU memory
+    reading, `dhelix.memtrace`)."""
+    import threading
     import time
     import weakref
 
@@ -160,10 +163,11 @@ def _sends_released(ctx) -> dict:
     cpu = torch.device("cpu")
     out = {}
     if ctx.rank == 0:
-        sends, alive = SendsInFlight(), []
+        sends, alive, died_on = SendsInFlight(), [], []
         for i in range(4):
             tensor = torch.full((1 << 16,), float(i), device=cpu)
             alive.append(weakref.ref(tensor))
+            weakref.finalize(tensor, lambda: died_on.append(threading.get_ident()))
             sends.add(dist.isend(tensor, dst=1), tensor)
         del tensor
         out["held_after_posting"] = len(sends)  # (the watcher may have dropped some)
@@ -175,6 +179,7 @@ def _sends_released(ctx) -> dict:
             time.sleep(0.01)
         out["held_after_receipt"] = (len(sends), sends.held_bytes())
         out["freed"] = [ref() is None for ref in alive]
+        out["freed_on_this_thread"] = died_on == [threading.get_ident()] * 4
         # what the executor saw before: the plain Work, not waited on, still "in flight"
         out["gloo_is_completed"] = gloo_reports[0].is_completed()
         gloo_reports[0].wait()
@@ -216,6 +221,7 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
     sender = results[0]["sends"]
     assert sender["held_after_posting"] == 4
     assert sender["held_after_receipt"] == (0, 0) and sender["freed"] == [True] * 4
+    assert sender["freed_on_this_thread"]
     assert sender["gloo_is_completed"] is False  # why a watcher thread waits for them
     assert results[1]["sends"]["received"] == [0.0, 1.0, 2.0, 3.0]
     for stage, runs in enumerate(results):
