@@ -45,35 +45,36 @@ def _command_line(args) -> str:
     return shlex.join(words + ["-o", args.output])
 
 
-def _fingerprints_from_saved(args) -> None:
-    """With `--memory-from SAVED`, the model and parallel fingerprints not given default to
-    SAVED's (its readings are of that run), so the plan is one that run accepts."""
-    if args.memory_from is None:
-        return
+def _saved_plan(args):
+    """The plan of `--memory-from SAVED`, or None; with it, the model and parallel
+    fingerprints not given default to SAVED's (its readings are of that run), so the plan
+    is one that run accepts. `--memory-margin` without `--memory-from` is a FormatError."""
     from planner.plan import UNSPECIFIED, load_plan
-
-    saved = load_plan(args.memory_from).fingerprint
-    for name in ("model", "parallel"):
-        if not getattr(args, name) and saved.get(name, UNSPECIFIED) != UNSPECIFIED:
-            setattr(args, name, saved[name])
-
-
-def _memory_bound(args, fwd, bwd):
-    """The memory bound of `--memory-from SAVED` (a plan that recorded its bound's
-    per-operator readings: one `--dhelix-save-plan` wrote for a run planning within the
-    bound) for these DAGs, with `--memory-margin` MiB in place of its margin when given;
-    None without `--memory-from`. Raises FormatError for a plan without readings or with
-    readings of other operators."""
-    from dhelix.dag import topological_sort
-    from planner.memory import bound_from_record
-    from planner.plan import load_plan
 
     if args.memory_from is None:
         if args.memory_margin is not None:
             raise FormatError("--memory-margin needs --memory-from SAVED (the per-operator "
                               "memory a --dhelix-save-plan file holds)")
         return None
-    record = load_plan(args.memory_from).search.get("memory") or {}
+    saved = load_plan(args.memory_from)
+    for name in ("model", "parallel"):
+        if not getattr(args, name) and saved.fingerprint.get(name, UNSPECIFIED) != UNSPECIFIED:
+            setattr(args, name, saved.fingerprint[name])
+    return saved
+
+
+def _memory_bound(args, saved, fwd, bwd):
+    """The memory bound `saved` (the `--memory-from` plan: one that recorded its bound's
+    per-operator readings, as `--dhelix-save-plan` writes for a run planning within the
+    bound) recorded, for these DAGs, with `--memory-margin` MiB in place of its margin when
+    given; None without a saved plan. Raises FormatError for a plan without readings or
+    with readings of other operators."""
+    from dhelix.dag import topological_sort
+    from planner.memory import bound_from_record
+
+    if saved is None:
+        return None
+    record = saved.search.get("memory") or {}
     if "ops" not in record:
         raise FormatError(f"{args.memory_from}: holds no per-operator memory readings (it was "
                           "not built within a memory bound at start-up); save one with "
@@ -140,9 +141,9 @@ def run_build(args) -> int:
         return _fail(f"building a plan needs {', '.join(missing)} "
                      f"(or use `dhelix plan show PLAN`)")
     try:
-        _fingerprints_from_saved(args)
+        saved = _saved_plan(args)
         fwd, bwd, costs, profile = _load_inputs(args)
-        memory = _memory_bound(args, fwd, bwd)
+        memory = _memory_bound(args, saved, fwd, bwd)
         plan = make_plan(fwd, bwd, costs, args.pairer, args.max_orders, args.wgrad_move,
                          model=args.model or UNSPECIFIED, parallel=args.parallel or UNSPECIFIED,
                          hardware=args.hardware, command=_command_line(args), memory=memory)

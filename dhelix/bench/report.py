@@ -110,9 +110,13 @@ def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
     hidden_cost = slowdown / (1 + slowdown)
     layer_comm_s = costs[0]["layer_comm_ms"] * costs[0]["layers_per_step"] / 1e3
     floor = t_free + layer_comm_s * hidden_cost
-    binds = bool(t_meg and bound_s is not None and t_meg > bound_s and floor > bound_s)
+
+    def best_share(floor_s: float) -> float | None:  # None where the floor does not bind
+        binds = bool(t_meg and bound_s is not None and t_meg > bound_s and floor_s > bound_s)
+        return (t_meg - floor_s) / (t_meg - bound_s) if binds else None
+
     result = {"floor_s": floor, "layer_comm_s": layer_comm_s, "slowdown": slowdown,
-              "best_share": (t_meg - floor) / (t_meg - bound_s) if binds else None,
+              "hidden_cost": hidden_cost, "best_share": best_share(floor),
               "si_floor_s": None, "first_forward_unhidden_s": None, "si_best_share": None}
     unhidden = costs[0].get("first_forward_unhidden_ms")
     if unhidden is not None:
@@ -120,9 +124,8 @@ def _overlap_floor(ranks: list, emulation: dict | None, t_meg: float | None,
         # keep it waiting, not the slowdown's share of their time
         extra_s = max(0.0, unhidden - hidden_cost * costs[0]["first_forward_comm_ms"]) / 1e3
         si_floor = floor + extra_s
-        binds = bool(t_meg and bound_s is not None and t_meg > bound_s and si_floor > bound_s)
         result.update(si_floor_s=si_floor, first_forward_unhidden_s=unhidden / 1e3,
-                      si_best_share=(t_meg - si_floor) / (t_meg - bound_s) if binds else None,
+                      si_best_share=best_share(si_floor),
                       si_best_speedup=t_meg / si_floor if t_meg else None)
     return result
 
@@ -332,7 +335,7 @@ def _overlap_floor_lines(floor: dict | None) -> list:
              f"{floor['layer_comm_s'] * 1e3:.0f} ms a step alone (the plan's profile); "
              f"computation beside one in flight runs {floor['slowdown']:.0%} slower, so no "
              "schedule of these layers gets under the comm-free step + "
-             f"{floor['slowdown'] / (1 + floor['slowdown']):.3f} x that = "
+             f"{floor['hidden_cost']:.3f} x that = "
              f"{floor['floor_s'] * 1e3:.0f} ms"
              + (f": at most {floor['best_share']:.0%} of the achievable gain."
                 if floor["best_share"] is not None
