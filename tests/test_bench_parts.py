@@ -160,8 +160,8 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
             "replayed on the same groups with nothing else running take 2100 ms (2020-2200) "
             "one at a time and 2500 ms (2424-2600) all issued at once") in text
     assert "the link does not bind here" in text  # the floor (2.1 s) is below the bound (3.0 s)
-    # DHelix's row: share of the achievable gain (4141 - 3232) / (4141 - 3030) = 82%, no plan
-    assert "| 1.281x | 82% | - | 82% |" in text
+    # DHelix's row: share of the achievable gain (4141 - 3232) / (4141 - 3030) = 81.8%, no plan
+    assert "| 1.281x | 81.8% | - | 81.8% |" in text
     assert "Achievable gain: T_bound = 3030 ms (the comm-free step; link floor 2100 ms; " \
            "comm-free step 3030 ms; CPU-work floor not measured)" in text
     assert not math.isnan(entries[0]["summary"]["comm_share_of_megatron"])
@@ -336,7 +336,7 @@ def test_overlap_floor_under_the_gpu_emulation():
     line = _overlap_floor_lines(floor)[0]
     assert "take 480 ms a step alone" in line and "25% slower" in line
     assert f"0.200 x that = {floor['floor_s'] * 1e3:.0f} ms" in line
-    assert f"at most {floor['best_share']:.0%} of the achievable gain" in line
+    assert f"at most {floor['best_share']:.1%} of the achievable gain" in line
     assert floor["si_floor_s"] is None and "SI schedule" not in line  # not recorded
 
 
@@ -367,3 +367,21 @@ def test_si_floor_counts_the_unpaired_first_forward():
         rank["plan_costs"]["dhelix"]["first_forward_unhidden_ms"] = 0.0
     assert summarise_config(emulated)["overlap_floor"]["si_floor_s"] == pytest.approx(
         floor["floor_s"])
+
+
+def test_link_floor_window_waits_the_oldest_calls_first():
+    from dhelix.bench.link_floor import InFlightWindow
+
+    window = InFlightWindow(limit=10)
+    assert window.admit(4) == []
+    window.add(["a"], 4)
+    assert window.admit(4) == []
+    window.add(["b1", "b2"], 4)
+    assert window.admit(4) == ["a"]  # 4 + 4 + 4 > 10: the oldest call goes first
+    window.add(["c"], 4)
+    assert window.admit(12) == ["b1", "b2", "c"]  # larger than the limit: it goes alone
+    window.add(["d"], 12)
+    assert window.drain() == ["d"] and window.drain() == []
+    one_at_a_time = InFlightWindow(limit=0)
+    one_at_a_time.add(["e"], 0)
+    assert one_at_a_time.admit(0) == ["e"]  # one call at a time, even of no bytes
