@@ -368,20 +368,3 @@ def test_si_floor_counts_the_unpaired_first_forward():
     assert summarise_config(emulated)["overlap_floor"]["si_floor_s"] == pytest.approx(
         floor["floor_s"])
 
-
-def test_link_floor_window_waits_the_oldest_calls_first():
-    from dhelix.bench.link_floor import InFlightWindow
-
-    window = InFlightWindow(limit=10)
-    assert window.admit(4) == []
-    window.add(["a"], 4)
-    assert window.admit(4) == []
-    window.add(["b1", "b2"], 4)
-    assert window.admit(4) == ["a"]  # 4 + 4 + 4 > 10: the oldest call goes first
-    window.add(["c"], 4)
-    assert window.admit(12) == ["b1", "b2", "c"]  # larger than the limit: it goes alone
-    window.add(["d"], 12)
-    assert window.drain() == ["d"] and window.drain() == []
-    one_at_a_time = InFlightWindow(limit=0)
-    one_at_a_time.add(["e"], 0)
-    assert one_at_a_time.admit(0) == ["e"]  # one call at a time, even of no bytes

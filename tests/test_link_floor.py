@@ -1,8 +1,8 @@
 """The link-floor recorder and replay (`dhelix.bench.link_floor`) on 2 real gloo ranks: every
 collective of the recorded code is noted with its group and tensor sizes (synchronous and
 asynchronous, on two groups), send/recv and barriers are not, and a replay issues them again
-on the same groups, one at a time and all at once (also within a small in-flight window),
-and returns, holding one buffer per distinct tensor spec rather than one per call."""
+on the same groups, one at a time and all at once, and returns, holding one buffer per
+distinct tensor spec rather than one per call."""
 
 from __future__ import annotations
 
@@ -43,8 +43,6 @@ def _record_and_replay(ctx):
     buffers = ReplayBuffers()
     times = [replay(collectives, all_at_once=flag, buffers=buffers)
              for flag in (False, True, False)]
-    # all at once within a window smaller than two calls: the oldest waited first
-    times.append(replay(collectives, all_at_once=True, buffers=buffers, in_flight_bytes=5000))
     dist.barrier()
     return {"total": total, "names": names, "bytes": [c.tensor_bytes for c in collectives],
             "skipped": skipped, "times": times, "x_after": float(x[0]),
@@ -61,5 +59,5 @@ def test_record_and_replay_collectives():
         # all-gather's input and the reduce-scatter's input share the (1024,) fp32 one
         assert r["buffer_bytes"] == 4096 + 1024 + 8192 + 2048
         assert "barrier" in r["skipped"] and any(s in r["skipped"] for s in ("send", "recv_"))
-        assert len(r["times"]) == 4 and all(0 < t < 30 for t in r["times"]), r["times"]
+        assert all(0 < t < 30 for t in r["times"]), r["times"]
         assert r["x_after"] == 6.0  # a replay works on its own tensors, not the recorded ones

@@ -7,12 +7,9 @@ kept, not their data). `replay` issues the same collectives again on the same gr
 zero-filled tensors of those shapes and nothing else running (a gloo all-to-all as the
 full-duplex exchange the emulated GPU issues, `dhelix.gpu_emulation.all_to_all_exchange`,
 where it can carry it: the link's own floor, not gloo's turn-taking): one at a time (each
-waited before the next) or all at once (issued back to back, so the transport may keep
-several in flight, up to `IN_FLIGHT_BYTES` of their tensors: the oldest are waited first
-when the next would go over; gloo's memory grew with the calls in flight, and a step of
-1,350 all-to-alls issued unbounded took a rank past 11 GiB and the machine out of memory).
-What no schedule of the same step can beat is the faster of the two: the link must carry
-those bytes whatever computation runs beside them.
+waited before the next) or all at once (every one issued, then every one waited, so the transport
+may keep several in flight). What no schedule of the same step can beat is the faster of
+the two: the link must carry those bytes whatever computation runs beside them.
 
 Point-to-point transfers (pipeline send/recv) and barriers are not replayed (a replay in
 program order could deadlock where the step relied on batching them); they are counted in
@@ -30,7 +27,6 @@ like any collective.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +36,6 @@ from dhelix.c10d_ops import work_handles
 from dhelix.gpu_emulation.all_to_all_exchange import AllToAllExchanges
 
 _NOT_REPLAYED = ("send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_")
-IN_FLIGHT_BYTES = 2 << 30  # all at once: tensor bytes of the calls in flight, at most
 
 
 @dataclass(frozen=True)
@@ -132,59 +127,28 @@ def record_collectives(fn):
     return result, recorder.collectives, recorder.skipped
 
 
-class InFlightWindow:
-    """The calls an all-at-once replay has in flight, oldest first, with their tensor
-    bytes: `admit(nbytes)` hands back the oldest calls' handles to wait before a call of
-    `nbytes` is issued, so that at most `limit` bytes are in flight (a call larger than the
-    limit goes alone; limit 0: one call at a time, whatever its bytes). Waiting oldest
-    first, in issue order on every rank, cannot deadlock (a rank waits only on calls every
-    rank issued before any it waits on)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._calls: deque = deque()  # (works, nbytes), oldest first
-        self._bytes = 0
-
-    def admit(self, nbytes: int) -> list:
-        due = []
-        while self._calls and (self._bytes + nbytes > self.limit or not self.limit):
-            works, size = self._calls.popleft()
-            self._bytes -= size
-            due += works
-        return due
-
-    def add(self, works: list, nbytes: int) -> None:
-        self._calls.append((works, nbytes))
-        self._bytes += nbytes
-
-    def drain(self) -> list:
-        """Every handle still in flight, oldest first; the window is then empty."""
-        due = [work for works, _ in self._calls for work in works]
-        self._calls.clear()
-        self._bytes = 0
-        return due
-
-
-def replay(collectives: list, all_at_once: bool, buffers: ReplayBuffers | None = None,
-           in_flight_bytes: int = IN_FLIGHT_BYTES) -> float:
+def replay(collectives: list, all_at_once: bool, buffers: ReplayBuffers | None = None
+           ) -> float:
     """Seconds to issue `collectives` again on their groups and see every one finish (this
     rank's clock, from the first issue to the last wait). Collective: every rank of the
     groups involved must call it with the same list. `buffers`: the tensors to replay on
-    (a fresh `ReplayBuffers` by default, filled before the clock starts). All at once,
-    at most `in_flight_bytes` of the calls' tensors are in flight (`InFlightWindow`)."""
+    (a fresh `ReplayBuffers` by default, filled before the clock starts)."""
     if buffers is None:
         buffers = ReplayBuffers()
     exchanges = AllToAllExchanges()
     try:
         calls = [(c.op, *buffers.arguments(c)) for c in collectives]
         calls = [(exchanges.stand_in(op, args), args, kwargs) for op, args, kwargs in calls]
-        window = InFlightWindow(in_flight_bytes if all_at_once else 0)
         start = time.perf_counter()
-        for (op, args, kwargs), collective in zip(calls, collectives):
-            for work in window.admit(collective.tensor_bytes):
-                work.wait()
-            window.add(work_handles(op(*args, **kwargs)), collective.tensor_bytes)
-        for work in window.drain():
+        pending = []
+        for op, args, kwargs in calls:
+            works = work_handles(op(*args, **kwargs))
+            if all_at_once:
+                pending += works
+            else:
+                for work in works:
+                    work.wait()
+        for work in pending:
             work.wait()
         return time.perf_counter() - start
     finally:
