@@ -367,4 +367,3 @@ def test_si_floor_counts_the_unpaired_first_forward():
         rank["plan_costs"]["dhelix"]["first_forward_unhidden_ms"] = 0.0
     assert summarise_config(emulated)["overlap_floor"]["si_floor_s"] == pytest.approx(
         floor["floor_s"])
-
