@@ -235,6 +235,11 @@ def _slowest_rank_timeline(ranks: list, name: str) -> dict | None:
     return None if index is None else ranks[index]["timelines"][name]
 
 
+# shares against the issues' targets (75% of the achievable gain, of the communication
+# hidden) print to one decimal: a whole percent would round 74.5% up to the target
+SHARE = "{:.1%}"
+
+
 def _fmt(value, pattern: str, missing: str = "-") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return missing
@@ -291,13 +296,11 @@ def markdown(results: dict) -> str:
             if "step_s" not in row:
                 lines.append(f"| {row['label']} | not measured | | | | | | | |")
                 continue
-            # one decimal: the issues' targets (75% of the achievable gain) sit where a
-            # whole percent would round 74.5% up to the target
-            hidden = "(bound)" if row["system"] == "commfree" else _fmt(row["hidden_share"],
-                                                                        "{:.1%}")
+            hidden = ("(bound)" if row["system"] == "commfree"
+                      else _fmt(row["hidden_share"], SHARE))
             low, _, high = row.get("step_s_min_median_max") or (None, None, None)
             achievable = ("-" if row["timing_only"]
-                          else _fmt(row.get("achievable_share"), "{:.1%}"))
+                          else _fmt(row.get("achievable_share"), SHARE))
             predicted = (f"{row['predicted_step_s'] * 1e3:.0f} "
                          f"({row['predicted_speedup']:.3f}x)" if row.get("predicted_step_s")
                          else "-")
@@ -339,7 +342,7 @@ def _overlap_floor_lines(floor: dict | None) -> list:
              "schedule of these layers gets under the comm-free step + "
              f"{floor['hidden_cost']:.3f} x that = "
              f"{floor['floor_s'] * 1e3:.0f} ms"
-             + (f": at most {floor['best_share']:.1%} of the achievable gain."
+             + (f": at most {SHARE.format(floor['best_share'])} of the achievable gain."
                 if floor["best_share"] is not None
                 else ", not above T_bound (it does not bind here).")]
     if floor.get("si_floor_s") is not None:
@@ -348,8 +351,9 @@ def _overlap_floor_lines(floor: dict | None) -> list:
             f"collectives keep it waiting at least "
             f"{floor['first_forward_unhidden_s'] * 1e3:.0f} ms (its layers' dependency "
             f"chains), so none gets under {floor['si_floor_s'] * 1e3:.0f} ms"
-            + (f": at most {floor['si_best_speedup']:.3f}x and {floor['si_best_share']:.1%} "
-               "of the achievable gain." if floor["si_best_share"] is not None else "."))
+            + (f": at most {floor['si_best_speedup']:.3f}x and "
+               f"{SHARE.format(floor['si_best_share'])} of the achievable gain."
+               if floor["si_best_share"] is not None else "."))
     return lines + [""]
 
 
@@ -458,7 +462,7 @@ def _link_floor_lines(floor: dict | None) -> list:
     share = floor["best_hidden_share"]
     hidden = ("any share of the exposed communication hidden (it is below the comm-free "
               "bound: the link does not bind here)" if share is not None and share >= 1
-              else f"{_fmt(share, '{:.1%}')} of the exposed communication hidden")
+              else f"{_fmt(share, SHARE)} of the exposed communication hidden")
     return [f"Communication alone: the {floor['collectives']} collectives of one Megatron "
             f"forward/backward ({floor['tensor_bytes'] / 2**20:.0f} MiB of tensors per rank"
             f"{skipped}) replayed on the same groups with nothing else running take "

@@ -80,10 +80,9 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
         saved.planned_ms, saved.sequential_ms)
     wavelet = load_plan(tmp_path / "raw" / "a.wavelet.plan.json")
     assert wavelet.pairer == "round_robin" and any(b.fwd and b.bwd for b in wavelet.blocks)
-    for rank in ranks:
+    for rank in ranks:  # Wavelet's recorded blocks; the DHelix row's plan, block by block
         assert [row[0] for row in rank["timelines"]["wavelet"]["block_ms"]] == list(
             range(len(wavelet.blocks)))
-    for rank in ranks:  # the DHelix row's plan, block by block (forward ops, backward ops)
         blocks = rank["plan_block_ops"]
         assert len(blocks) == rank["plan_blocks"] and all(f or b for f, b in blocks)
         # the recorded step's layer pairs block by block, beside the cost model's times
