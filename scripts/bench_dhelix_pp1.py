@@ -223,7 +223,8 @@ def _link_floor(run, calls, repeats: int = 3) -> dict:
     schedule for the megatron system, run through `calls`, a `_Calls`;
     `dhelix.bench.link_floor`), replayed `repeats` times
     one at a time and all at once (interleaved, behind a barrier): their count, tensor bytes,
-    the c10d calls not replayed, and this rank's seconds per replay."""
+    the c10d calls not replayed, this rank's seconds per replay and the bytes the replay's
+    buffers held (`ReplayBuffers.nbytes`)."""
     import torch.distributed as dist
 
     from dhelix.bench.link_floor import ReplayBuffers, record_collectives, replay
@@ -238,6 +239,7 @@ def _link_floor(run, calls, repeats: int = 3) -> dict:
         for key, all_at_once in (("one_at_a_time_s", False), ("all_at_once_s", True)):
             dist.barrier()
             out[key].append(replay(collectives, all_at_once, buffers))
+    out["buffer_bytes"] = buffers.nbytes()
     return out
 
 
@@ -341,13 +343,15 @@ class _Calls:
 
 
 def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
-               systems: dict | None = None, emulation: dict | None = None) -> dict:
+               systems: dict | None = None, emulation: dict | None = None,
+               measure_link_floor: bool = True) -> dict:
     """Every rank: build one run per system (`build_runs`; `systems`: name -> extra
     arguments added to `megatron_args`; default Megatron and `--dhelix`) from the same seed,
     so the same initial weights and data; then `warmup` + `repeats` rounds, each one
     training step (`PretrainedRun.train_step`, Megatron's `train_step`) of every system in
     turn (interleaved, behind a barrier), then one measured forward/backward per system for
-    peak memory, then Megatron's communication alone (`_link_floor`), then one recorded
+    peak memory, then Megatron's communication alone (`_link_floor`; not with
+    `measure_link_floor` False: "link_floor" None), then one recorded
     forward/backward per DHelix-runtime system (`_timeline_step`). Returns this rank's step
     times (measured rounds only), peak bytes, the link floor readings and, per system using
     the DHelix runtime, its plan description and timeline totals; for the `dhelix` system
@@ -401,7 +405,8 @@ def bench_body(ctx, megatron_args: list, repeats: int, warmup: int,
                                                     run.forward_backward))
         memory[name] = reading.compute_peak_bytes
     megatron = runs.get("megatron")
-    link_floor = _link_floor(megatron, calls) if megatron is not None else None
+    link_floor = (_link_floor(megatron, calls) if megatron is not None and measure_link_floor
+                  else None)
     first = next(iter(runs.values()))
     result = {"rank": ctx.rank, "times": times, "step_parts": parts, "memory": memory,
               "link_floor": link_floor,

@@ -220,7 +220,8 @@ def run_config(config, runs: dict, model: list, ns, bandwidth: str, raw_dir: Pat
                  for name, run in runs.items() if not run.unavailable}
     raw_path = raw_dir / f"{config.name}.ranks.json"
     spec = {"megatron_args": base, "systems": available, "reps": ns.reps,
-            "warmup": ns.warmup, "out": str(raw_path), "gpu_emulation": emulation}
+            "warmup": ns.warmup, "out": str(raw_path), "gpu_emulation": emulation,
+            "link_floor": not ns.no_link_floor}
     link = emulated_bandwidth(bandwidth, emulation and emulation["time_scale"])
     spec_path = raw_dir / f"{config.name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -365,7 +366,7 @@ def worker(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     result = bench_body(RankContext(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])),
                         spec["megatron_args"], spec["reps"], spec["warmup"], spec["systems"],
-                        spec.get("gpu_emulation"))
+                        spec.get("gpu_emulation"), spec.get("link_floor", True))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:
@@ -426,6 +427,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-profile", action="store_true",
                         help="do not profile first: configurations without --dhelix-profile "
                              "give DHelix the analytic-cost plan")
+    parser.add_argument("--no-link-floor", action="store_true",
+                        help="do not replay Megatron's collectives alone (the link floor): "
+                             "T_bound is then the larger of the comm-free step and the "
+                             "CPU-work floor, which can only lower the reported shares")
     parser.add_argument("--out", default="bench_out", help="output directory")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny case (for the test): 4-layer tiny model, 1 repetition")

@@ -164,6 +164,8 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     assert "| 1.281x | 81.8% | - | 81.8% |" in text
     assert "Achievable gain: T_bound = 3030 ms (the comm-free step; link floor 2100 ms; " \
            "comm-free step 3030 ms; CPU-work floor not measured)" in text
+    # a floor left out can only have made T_bound smaller: the shares are lower bounds
+    assert "; a floor not measured could only raise T_bound, and with it the shares." in text
     assert not math.isnan(entries[0]["summary"]["comm_share_of_megatron"])
     bar_chart(results, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000

@@ -1,8 +1,8 @@
 """The link-floor recorder and replay (`dhelix.bench.link_floor`) on 2 real gloo ranks: every
 collective of the recorded code is noted with its group and tensor sizes (synchronous and
 asynchronous, on two groups), send/recv and barriers are not, and a replay issues them again
-on the same groups, one at a time and all at once, and returns, holding one buffer per
-distinct tensor spec rather than one per call."""
+on the same groups, one at a time and all at once, and returns, holding one flat buffer per
+tensor position of a call rather than one per call or per shape."""
 
 from __future__ import annotations
 
@@ -10,9 +10,35 @@ import pytest
 
 from dhelix.harness import run_on_ranks
 
-pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
+
+def test_replay_buffers_hold_the_largest_tensor_of_each_position_once():
+    """Calls whose shapes differ (an MoE all-to-all's rows follow the routing) share one
+    zero-filled flat buffer per (dtype, device) position, sized by the largest tensor
+    recorded there; every call gets views of its recorded shapes."""
+    import torch
+
+    from dhelix.bench.link_floor import RecordedCollective, ReplayBuffers, _spec
+
+    def call(*tensors):
+        spec, nbytes = _spec(tuple(tensors))
+        return RecordedCollective("op", (spec, [1, 2]), (), nbytes)
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    calls = [call(torch.empty(rows, 8, dtype=bf16), torch.empty(rows + 1, 8, dtype=bf16),
+                  torch.empty(3, dtype=f32)) for rows in (5, 9, 2)]
+    buffers = ReplayBuffers()
+    buffers.reserve(calls)
+    # bf16 position 0: 9 x 8, position 1: 10 x 8; f32 position 0: 3
+    assert buffers.nbytes() == (9 * 8 + 10 * 8) * 2 + 3 * 4
+    for rows, c in zip((5, 9, 2), calls):
+        (out, inp, small), splits = buffers.arguments(c)[0]
+        assert out.shape == (rows, 8) and inp.shape == (rows + 1, 8) and small.shape == (3,)
+        assert out.dtype == bf16 and small.dtype == f32 and splits == [1, 2]
+        assert out.data_ptr() != inp.data_ptr() and not out.any() and not inp.any()
+    assert buffers.nbytes() == (9 * 8 + 10 * 8) * 2 + 3 * 4  # views: nothing new held
 
 
+@pytest.mark.slow  # multi-process: not in the fast tier
 def _record_and_replay(ctx):
     import torch
     import torch.distributed as dist
@@ -55,9 +81,10 @@ def test_record_and_replay_collectives():
         assert r["names"] == ["allreduce_", "allreduce_", "allreduce_", "_allgather_base_",
                               "_reduce_scatter_base_"]
         assert r["bytes"] == [4096, 4096, 1024, 8192 + 4096, 2048 + 4096]
-        # one buffer per distinct spec, not one per call: the two 4 KiB all-reduces, the
-        # all-gather's input and the reduce-scatter's input share the (1024,) fp32 one
-        assert r["buffer_bytes"] == 4096 + 1024 + 8192 + 2048
+        # one flat buffer per fp32 position of a call, not one per call or shape: the
+        # first tensors (1024, 1024, 256, the all-gather's 2048 output, the reduce-scatter's
+        # 512 output) share 8 KiB, the second (the two 1024-element inputs) 4 KiB
+        assert r["buffer_bytes"] == 8192 + 4096
         assert "barrier" in r["skipped"] and any(s in r["skipped"] for s in ("send", "recv_"))
         assert all(0 < t < 30 for t in r["times"]), r["times"]
         assert r["x_after"] == 6.0  # a replay works on its own tensors, not the recorded ones

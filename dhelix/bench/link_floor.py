@@ -14,18 +14,22 @@ the two: the link must carry those bytes whatever computation runs beside them.
 Point-to-point transfers (pipeline send/recv) and barriers are not replayed (a replay in
 program order could deadlock where the step relied on batching them); they are counted in
 `skipped`. Ownership: the recorder keeps no tensor of the recorded code; a replay allocates
-its own zero-filled tensors before its clock starts and frees them when it returns: one
-per distinct (shape, dtype, device) and occurrence within a call (`ReplayBuffers`), shared
-by every call, so a replay holds about one call's bytes of each shape, not the step's (a
-step's collectives at four Llama-8B layers and 16 micro-batches carry ~12.6 GB a rank, which
-the 24 GiB machine could not hold twice). The data is zero everywhere, so collectives in
-flight at once over one buffer write back the zeros it holds. Every rank must call `replay`
+its own zero-filled tensors before its clock starts and frees them when it returns
+(`ReplayBuffers`): one flat buffer per (dtype, device) and position within a call (the k-th
+tensor of that dtype in the call's arguments), as large as the largest tensor recorded
+there, and every call's tensors are views of it. A replay so holds about one call's bytes,
+not the step's (a step's collectives at four Llama-8B layers and 16 micro-batches carry
+~12.6 GB a rank, which the 24 GiB machine could not hold twice), also where the shapes
+differ from call to call (an MoE all-to-all's rows follow each micro-batch's routing). The
+data is zero everywhere, so collectives in flight at once over one buffer write back the
+zeros it holds. Every rank must call `replay`
 with the same list in the same order (the ranks of a group recorded the same sequence),
 like any collective.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -68,11 +72,24 @@ def _spec(value):
 
 
 class ReplayBuffers:
-    """Zero-filled tensors for replayed calls: the k-th tensor of a spec within one call is
-    the spec's k-th buffer, allocated on first use and kept for every later call."""
+    """Zero-filled tensors for replayed calls: the k-th tensor of a (dtype, device) within
+    one call is a view of that key's k-th flat buffer, sized by `reserve` (or grown on
+    first use by a larger tensor) and kept for every later call."""
 
     def __init__(self):
         self._buffers: dict = {}
+
+    def reserve(self, collectives: list) -> None:
+        """Size the buffers for every call of `collectives` at once (before handing out
+        views: a buffer grown later leaves the earlier views on the smaller one)."""
+        needed: dict = {}
+        for collective in collectives:
+            taken: dict = {}
+            for spec in _tensor_specs((collective.args, collective.kwargs)):
+                key = _position(spec, taken)
+                needed[key] = max(needed.get(key, 0), math.prod(spec.shape))
+        for key, numel in needed.items():
+            self._flat(key, numel)
 
     def arguments(self, collective: RecordedCollective) -> tuple:
         """(args, kwargs) of `collective` with its tensor specs made buffers."""
@@ -80,21 +97,41 @@ class ReplayBuffers:
         return (self._materialise(collective.args, taken),
                 dict(self._materialise(collective.kwargs, taken)))
 
+    def _flat(self, key: tuple, numel: int) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:  # on the recorded tensor's device
+            _, dtype, device = key
+            buffer = self._buffers[key] = torch.zeros(numel, dtype=dtype, device=device)
+        return buffer
+
     def _materialise(self, value, taken: dict):
         if isinstance(value, _TensorSpec):
-            index = taken.get(value, 0)
-            taken[value] = index + 1
-            buffers = self._buffers.setdefault(value, [])
-            if index == len(buffers):  # on the recorded tensor's device
-                shape, dtype, device = value.shape, value.dtype, value.device
-                buffers.append(torch.zeros(shape, dtype=dtype, device=device))
-            return buffers[index]
+            flat = self._flat(_position(value, taken), math.prod(value.shape))
+            return flat[:math.prod(value.shape)].view(value.shape)
         if isinstance(value, (list, tuple)):
             return type(value)(self._materialise(v, taken) for v in value)
         return value
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._buffers.values() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+
+def _tensor_specs(value) -> list:
+    """The `_TensorSpec`s in `value` (nested lists and tuples), in order."""
+    if isinstance(value, _TensorSpec):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [spec for v in value for spec in _tensor_specs(v)]
+    return []
+
+
+def _position(spec: _TensorSpec, taken: dict) -> tuple:
+    """(k, dtype, device) of `spec`: the k-th tensor of its dtype and device in the call
+    whose earlier tensors `taken` counted (updated)."""
+    kind = (spec.dtype, spec.device)
+    index = taken.get(kind, 0)
+    taken[kind] = index + 1
+    return (index, *kind)
 
 
 class _Recorder(TorchDispatchMode):
@@ -135,6 +172,7 @@ def replay(collectives: list, all_at_once: bool, buffers: ReplayBuffers | None =
     (a fresh `ReplayBuffers` by default, filled before the clock starts)."""
     if buffers is None:
         buffers = ReplayBuffers()
+    buffers.reserve(collectives)
     exchanges = AllToAllExchanges()
     try:
         calls = [(c.op, *buffers.arguments(c)) for c in collectives]

@@ -326,9 +326,12 @@ def _bound_lines(bound: dict | None) -> list:
                        for name, value in (("link floor", bound["link_floor_s"]),
                                            ("comm-free step", bound["commfree_s"]),
                                            ("CPU-work floor", bound["cpu_work_floor_s"])))
+    unmeasured = any(bound[key] is None
+                     for key in ("link_floor_s", "commfree_s", "cpu_work_floor_s"))
     return [f"Achievable gain: T_bound = {bound['bound_s'] * 1e3:.0f} ms (the {bound['by']}; "
             f"{floors}); share of achievable gain = (T_megatron - T_x) / (T_megatron - "
-            "T_bound).", ""]
+            "T_bound)" + ("; a floor not measured could only raise T_bound, and with it the "
+                          "shares" if unmeasured else "") + ".", ""]
 
 
 def _overlap_floor_lines(floor: dict | None) -> list:
