@@ -83,7 +83,9 @@ def _timeline_step(run, calls, name: str) -> dict:
     """One more forward/backward of the `--dhelix` run `run` (system `name`, run through
     `calls`, a `_Calls`) with the compute thread's spans recorded (`dhelix.runtime.timeline`):
     seconds of compute, collective issue, waiting on collectives, block barriers, the
-    step's wall time, where the thread was held longest (`Timeline.held_longest`), and per
+    step's wall time, where the thread was held longest (`Timeline.held_longest`), under the
+    GPU emulation where its stream sat empty longest (`idle_longest`: `Timeline.idle_by_span`
+    of the call's `GpuEmulationMode.idle_gaps`; None without the emulation), and per
     block of the plan its median ms over the step's layer pairs on the device's clock
     (`block_ms`: [index, ms, pairs] rows; `_device_clock`) beside what the plan's cost model
     gives it (`planned_block_ms`, `planner.cosched.simulate_block`; None without a cost
@@ -102,6 +104,9 @@ def _timeline_step(run, calls, name: str) -> dict:
     elapsed = time.perf_counter() - start
     totals = runner.timeline.totals()
     held = runner.timeline.held_longest()
+    # under the emulation: where its stream sat empty, by the span the host was in
+    idle = (runner.timeline.idle_by_span(calls.last_idle_gaps)
+            if calls.emulation is not None else None)
     setup = run.dhelix
     # a mixed dense/MoE stack's layer pairs follow different plans: no blocks by index
     mixed = setup.pair_plans is not None and len(setup.pair_plans) > 1
@@ -111,8 +116,8 @@ def _timeline_step(run, calls, name: str) -> dict:
     planned = None
     if not mixed and setup.costs is not None and setup.plan is not None:
         planned = [simulate_block(b.fwd, b.bwd, setup.costs).ms for b in setup.plan.blocks]
-    return {**totals, "step_s": elapsed, "held_longest": held, "block_ms": blocks,
-            "planned_block_ms": planned}
+    return {**totals, "step_s": elapsed, "held_longest": held, "idle_longest": idle,
+            "block_ms": blocks, "planned_block_ms": planned}
 
 
 def _plan_costs(run) -> dict:
@@ -283,6 +288,7 @@ class _Calls:
         self.modelled_ms: dict = {}
         self.stream_idle_ms: dict = {}
         self.step_terms: dict = {}
+        self.last_idle_gaps: list = []  # the last emulated call's `idle_gaps`
         if emulation is not None:
             from dhelix.gpu_emulation.emulated_run import GpuEmulation
             from dhelix.gpu_emulation.options import mark_process
@@ -322,6 +328,7 @@ class _Calls:
                            self.durations) as mode:
             out = fn()
         report = mode.report()
+        self.last_idle_gaps = mode.idle_gaps()
         self.modelled_ms.setdefault(name, []).append(report.modelled_ms)
         self.stream_idle_ms.setdefault(name, []).append(report.stream_idle_s * 1e3)
         if name not in self.step_terms:  # the first call of a system: its first step

@@ -82,6 +82,8 @@ def _raw():
                                        "step_s": 3.2,
                                        "held_longest": [["wait", "unpermute", 0.2 * f, 4],
                                                         ["issue", "dispatch.a2a", 0.1, 4]],
+                                       "idle_longest": [["outside", "the layers", 0.5, 3],
+                                                        ["compute", "unpermute", 0.04 * f, 4]],
                                        "block_ms": [[0, 30.0 * f, 7], [1, 120.0, 7]],
                                        "planned_block_ms": [25.0, 110.0]}},
               "link_floor": {"collectives": 170, "tensor_bytes": 85 * 2**20, "skipped": [],
@@ -149,6 +151,9 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     # and where that rank's step held the compute thread longest
     assert ("- DHelix (analytic-cost plan, no profile): wait `unpermute` 202 (4), issue "
             "`dispatch.a2a` 100 (4)") in text
+    # where the emulated stream sat empty, by the operator it waited for or outside them
+    assert ("- DHelix (analytic-cost plan, no profile): outside the layers 500 (3), compute "
+            "`unpermute` 40 (4)") in text
     # and that step's layer pairs block by block: planned / measured (the slower rank's)
     assert ("- DHelix (analytic-cost plan, no profile) (7 layer pairs): 1: 25 / 30, 2: 110 / "
             "120; a pair 135 / 150") in text

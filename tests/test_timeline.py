@@ -37,6 +37,26 @@ def test_held_longest_sums_each_operators_waits_and_leaves_computation_out():
     assert Timeline().held_longest() == []
 
 
+def test_idle_by_span_gives_each_gap_to_the_span_it_ended_in():
+    timeline = Timeline()
+    timeline.spans.extend([("compute", "sort", 1.0, 2.0), ("wait", "sort", 0.5, 1.0),
+                           ("compute", "unpermute", 3.0, 3.5), ("compute", "sort", 5.0, 5.2)])
+    gaps = [(0.2, 1.5),   # ended while `sort` computed (the kernel it waited for)
+            (2.5, 3.1),   # ended in `unpermute`
+            (4.0, 4.6),   # ended between spans: outside the layers
+            (4.9, 5.1),   # `sort` again
+            (6.0, 6.05)]  # after every span
+    idle = timeline.idle_by_span(gaps)
+    assert [row[:2] for row in idle] == [["compute", "sort"], ["outside", "the layers"],
+                                         ["compute", "unpermute"]]
+    assert abs(idle[0][2] - 1.5) < 1e-9 and idle[0][3] == 2
+    assert abs(idle[1][2] - 0.65) < 1e-9 and idle[1][3] == 2
+    assert abs(idle[2][2] - 0.6) < 1e-9 and idle[2][3] == 1
+    assert timeline.idle_by_span(gaps, count=1) == idle[:1]
+    assert Timeline().idle_by_span([(0.0, 1.0)]) == [["outside", "the layers", 1.0, 1]]
+    assert timeline.idle_by_span([]) == []
+
+
 def test_blocks_run_from_the_previous_block_s_end_on_the_block_clock():
     ticks = iter([10.0, 10.5, 12.0, 20.0, 30.0, 30.25, 31.0, 31.5])
     timeline = Timeline(block_clock=lambda: next(ticks))

@@ -390,6 +390,13 @@ def _timeline_table(rows: list) -> list:
         lines += ["", "Where that step held the compute thread longest (issuing a collective, "
                   "waiting on one, a block's barrier; ms summed over the step, spans):", ""]
         lines += held
+    idle = [_idle_line(r) for r in recorded if r["timeline"].get("idle_longest")]
+    if idle:
+        lines += ["", "Where that step left the emulated GPU's stream empty longest (ms summed "
+                  "over the step, gaps; by what the compute thread ran when the stream got "
+                  "its next kernel: the operator the device waited for, or outside the "
+                  "layers: embedding, loss, gradient finalisation):", ""]
+        lines += idle
     blocks = [_blocks_line(r) for r in recorded if r["timeline"].get("block_ms")]
     if blocks:
         lines += ["", "That step's layer pairs block by block (median ms over the pairs, on "
@@ -423,6 +430,14 @@ def _held_line(row: dict) -> str:
     """One system's `Timeline.held_longest` as a list item."""
     parts = [f"{kind} `{name}` {seconds * 1e3:.0f} ({spans})"
              for kind, name, seconds, spans in row["timeline"]["held_longest"]]
+    return f"- {row['label']}: " + ", ".join(parts)
+
+
+def _idle_line(row: dict) -> str:
+    """One system's `Timeline.idle_by_span` (`idle_longest`) as a list item."""
+    parts = [f"{'outside the layers' if kind == 'outside' else f'{kind} `{name}`'} "
+             f"{seconds * 1e3:.0f} ({gaps})"
+             for kind, name, seconds, gaps in row["timeline"]["idle_longest"]]
     return f"- {row['label']}: " + ", ".join(parts)
 
 

@@ -181,6 +181,7 @@ class GpuEmulationMode(TorchDispatchMode):
         self._region: str | None = None
         self._absorbed = 0
         self._stream_idle = 0.0
+        self._gaps: list = []
         self._issuer = StreamOrderedIssuer()
         self._exchanges = AllToAllExchanges()
         self._deferred = 0
@@ -214,6 +215,13 @@ class GpuEmulationMode(TorchDispatchMode):
         ahead of it has not reached yet."""
         return max(time.perf_counter(), self._stream_end)
 
+    def idle_gaps(self) -> list:
+        """(start_s, end_s) of every stretch the emulated stream sat empty between two
+        kernels so far, in order (`time.perf_counter` seconds; they sum to
+        `report().stream_idle_s`): the stream ran dry at start_s and the host charged the
+        next kernel at end_s. A new list; the mode keeps its own."""
+        return list(self._gaps)
+
     def _wait_for_stream(self) -> None:
         while (left := self._stream_end - time.perf_counter()) > 0:
             time.sleep(left)
@@ -244,6 +252,7 @@ class GpuEmulationMode(TorchDispatchMode):
         ms = seconds * 1000.0 / self.config.time_scale
         if self._stream_end and now > self._stream_end:
             self._stream_idle += now - self._stream_end
+            self._gaps.append((self._stream_end, now))
         self._stream_end = start + seconds
         for table, key in ((self._terms, term), (self._ops, name)):
             count, total, n_slowed, moved = table.get(key, (0, 0.0, 0, 0.0))

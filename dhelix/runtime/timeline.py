@@ -20,6 +20,7 @@ host that runs ahead of its device passes a block's end before the block has run
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -87,6 +88,27 @@ class Timeline:
                 held[(kind, name)] = (seconds + end - start, spans + 1)
         ranked = sorted(held.items(), key=lambda item: -item[1][0])[:count]
         return [[kind, name, seconds, spans] for (kind, name), (seconds, spans) in ranked]
+
+    def idle_by_span(self, gaps: list, count: int = 4) -> list:
+        """Where the device sat idle, by what the compute thread was doing when it ended:
+        each gap (start_s, end_s) on `time.perf_counter`, e.g. the emulated stream's
+        (`GpuEmulationMode.idle_gaps`), goes to the span in which it ended (the host issued
+        the kernel that ended it there: a `compute` span names the operator the device
+        waited for, such as one reading a collective's output), or, ending outside every
+        span, to ("outside", "the layers"): embedding, loss, gradient finalisation, Python.
+        The `count` largest as [kind, name, seconds, gaps], longest first (ties in
+        first-recorded order)."""
+        spans = sorted(self.spans, key=lambda s: s[2])
+        starts = [s[2] for s in spans]
+        idle: dict = {}
+        for start, end in gaps:
+            i = bisect.bisect_right(starts, end) - 1
+            inside = i >= 0 and end <= spans[i][3]
+            key = (spans[i][0], spans[i][1]) if inside else ("outside", "the layers")
+            seconds, n = idle.get(key, (0.0, 0))
+            idle[key] = (seconds + end - start, n + 1)
+        ranked = sorted(idle.items(), key=lambda item: -item[1][0])[:count]
+        return [[kind, name, seconds, n] for (kind, name), (seconds, n) in ranked]
 
     def chrome_trace(self, pid: int = 0) -> dict:
         """The spans as a Chrome/Perfetto trace (one row per kind), microseconds from the

@@ -103,6 +103,12 @@ def test_bench_body_runs_every_system_under_the_emulation():
                 assert wall >= ms * scale / 1000, (name, wall, ms)
             assert len(modelled[f"{name}.memory"]) == 1
         assert {"megatron.link_floor", "sequential.timeline", "dhelix.timeline"} <= set(modelled)
+        # the recorded step's stream gaps by the span the host ended them in, longest first,
+        # within the stream's idle time of that call
+        idle = r["timelines"]["dhelix"]["idle_longest"]
+        assert idle and [i[2] for i in idle] == sorted((i[2] for i in idle), reverse=True)
+        assert sum(i[2] for i in idle) * 1e3 <= (
+            emulated["stream_idle_ms"]["dhelix.timeline"][0] + 1e-6)
         # the same kernels, whoever schedules them (the operator path reproduces Megatron's),
         # compared on the measured steps: the warm-up step also charges one-time work to
         # whichever row meets it first (0.224 ms more for the sequential row in about one

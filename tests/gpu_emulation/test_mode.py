@@ -391,6 +391,11 @@ def test_stream_idle_counts_only_gaps_between_kernels():
     assert kernel_s < 0.05
     idle = mode.report().stream_idle_s
     assert 0.2 - kernel_s <= idle <= 0.2 - kernel_s + 0.05, (idle, kernel_s)
+    gaps = mode.idle_gaps()  # where they were, in order; the host's sleep the longest
+    assert sum(end - start for start, end in gaps) == pytest.approx(idle)
+    assert all(start < end <= time.perf_counter() for start, end in gaps)
+    longest = max(gaps, key=lambda gap: gap[1] - gap[0])
+    assert 0.2 - kernel_s <= longest[1] - longest[0] <= idle
 
 
 def test_stream_time_is_when_the_queued_kernels_end():
