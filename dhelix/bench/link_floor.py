@@ -22,9 +22,8 @@ not the step's (a step's collectives at four Llama-8B layers and 16 micro-batche
 ~12.6 GB a rank, which the 24 GiB machine could not hold twice), also where the shapes
 differ from call to call (an MoE all-to-all's rows follow each micro-batch's routing). The
 data is zero everywhere, so collectives in flight at once over one buffer write back the
-zeros it holds. Every rank must call `replay`
-with the same list in the same order (the ranks of a group recorded the same sequence),
-like any collective.
+zeros it holds. Every rank must call `replay` with the same list in the same order (the
+ranks of a group recorded the same sequence), like any collective.
 """
 
 from __future__ import annotations
@@ -106,8 +105,8 @@ class ReplayBuffers:
 
     def _materialise(self, value, taken: dict):
         if isinstance(value, _TensorSpec):
-            flat = self._flat(_position(value, taken), math.prod(value.shape))
-            return flat[:math.prod(value.shape)].view(value.shape)
+            numel = math.prod(value.shape)
+            return self._flat(_position(value, taken), numel)[:numel].view(value.shape)
         if isinstance(value, (list, tuple)):
             return type(value)(self._materialise(v, taken) for v in value)
         return value
