@@ -38,7 +38,6 @@ def test_replay_buffers_hold_the_largest_tensor_of_each_position_once():
     assert buffers.nbytes() == (9 * 8 + 10 * 8) * 2 + 3 * 4  # views: nothing new held
 
 
-@pytest.mark.slow  # multi-process: not in the fast tier
 def _record_and_replay(ctx):
     import torch
     import torch.distributed as dist
@@ -75,6 +74,7 @@ def _record_and_replay(ctx):
             "buffer_bytes": buffers.nbytes()}
 
 
+@pytest.mark.slow  # multi-process: not in the fast tier
 def test_record_and_replay_collectives():
     for r in run_on_ranks(_record_and_replay, 2, timeout_s=120, env={"OMP_NUM_THREADS": "1"}):
         assert r["total"] == 6.0  # the recorded code ran for real: (1 + 2) x 2
