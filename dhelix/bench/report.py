@@ -322,12 +322,11 @@ def _bound_lines(bound: dict | None) -> list:
     """One line: the achievable-gain bound and the floors it is the largest of."""
     if not bound:
         return []
+    named = (("link floor", bound["link_floor_s"]), ("comm-free step", bound["commfree_s"]),
+             ("CPU-work floor", bound["cpu_work_floor_s"]))
     floors = "; ".join(f"{name} {_fmt(value and value * 1e3, '{:.0f} ms', 'not measured')}"
-                       for name, value in (("link floor", bound["link_floor_s"]),
-                                           ("comm-free step", bound["commfree_s"]),
-                                           ("CPU-work floor", bound["cpu_work_floor_s"])))
-    unmeasured = any(bound[key] is None
-                     for key in ("link_floor_s", "commfree_s", "cpu_work_floor_s"))
+                       for name, value in named)
+    unmeasured = any(value is None for _, value in named)
     return [f"Achievable gain: T_bound = {bound['bound_s'] * 1e3:.0f} ms (the {bound['by']}; "
             f"{floors}); share of achievable gain = (T_megatron - T_x) / (T_megatron - "
             "T_bound)" + ("; a floor not measured could only raise T_bound, and with it the "
@@ -385,12 +384,14 @@ def _timeline_table(rows: list) -> list:
                      f"{t['issue'] * 1e3:.0f} | {t['wait'] * 1e3:.0f} | "
                      f"{t['barrier'] * 1e3:.0f} | {outside * 1e3:.0f} | "
                      + " | ".join(measured) + " |")
-    held = [_held_line(r) for r in recorded if r["timeline"].get("held_longest")]
+    held = [_ranked_line(r, "held_longest") for r in recorded
+            if r["timeline"].get("held_longest")]
     if held:
         lines += ["", "Where that step held the compute thread longest (issuing a collective, "
                   "waiting on one, a block's barrier; ms summed over the step, spans):", ""]
         lines += held
-    idle = [_idle_line(r) for r in recorded if r["timeline"].get("idle_longest")]
+    idle = [_ranked_line(r, "idle_longest") for r in recorded
+            if r["timeline"].get("idle_longest")]
     if idle:
         lines += ["", "Where that step left the emulated GPU's stream empty longest (ms summed "
                   "over the step, gaps; by what the compute thread ran when the stream got "
@@ -426,18 +427,13 @@ def _blocks_line(row: dict) -> str:
             + f"; a pair {total}")
 
 
-def _held_line(row: dict) -> str:
-    """One system's `Timeline.held_longest` as a list item."""
-    parts = [f"{kind} `{name}` {seconds * 1e3:.0f} ({spans})"
-             for kind, name, seconds, spans in row["timeline"]["held_longest"]]
-    return f"- {row['label']}: " + ", ".join(parts)
-
-
-def _idle_line(row: dict) -> str:
-    """One system's `Timeline.idle_by_span` (`idle_longest`) as a list item."""
+def _ranked_line(row: dict, key: str) -> str:
+    """One system's ranked [kind, name, seconds, count] rows of its recorded step
+    (`held_longest`: `Timeline.held_longest`; `idle_longest`: `Timeline.idle_by_span`) as a
+    list item."""
     parts = [f"{'outside the layers' if kind == 'outside' else f'{kind} `{name}`'} "
-             f"{seconds * 1e3:.0f} ({gaps})"
-             for kind, name, seconds, gaps in row["timeline"]["idle_longest"]]
+             f"{seconds * 1e3:.0f} ({count})"
+             for kind, name, seconds, count in row["timeline"][key]]
     return f"- {row['label']}: " + ", ".join(parts)
 
 

@@ -81,13 +81,8 @@ class Timeline:
         kinds other than `compute` (issuing a collective, waiting on one, a block's barrier)
         with the most seconds summed over their spans, as [kind, name, seconds, spans],
         longest first (ties in first-recorded order)."""
-        held: dict = {}
-        for kind, name, start, end in self.spans:
-            if kind != "compute":
-                seconds, spans = held.get((kind, name), (0.0, 0))
-                held[(kind, name)] = (seconds + end - start, spans + 1)
-        ranked = sorted(held.items(), key=lambda item: -item[1][0])[:count]
-        return [[kind, name, seconds, spans] for (kind, name), (seconds, spans) in ranked]
+        return _ranked(((kind, name), end - start) for kind, name, start, end in self.spans
+                       if kind != "compute")[:count]
 
     def idle_by_span(self, gaps: list, count: int = 4) -> list:
         """Where the device sat idle, by what the compute thread was doing when it ended:
@@ -100,15 +95,12 @@ class Timeline:
         first-recorded order)."""
         spans = sorted(self.spans, key=lambda s: s[2])
         starts = [s[2] for s in spans]
-        idle: dict = {}
-        for start, end in gaps:
+
+        def owner(end: float) -> tuple:
             i = bisect.bisect_right(starts, end) - 1
             inside = i >= 0 and end <= spans[i][3]
-            key = (spans[i][0], spans[i][1]) if inside else ("outside", "the layers")
-            seconds, n = idle.get(key, (0.0, 0))
-            idle[key] = (seconds + end - start, n + 1)
-        ranked = sorted(idle.items(), key=lambda item: -item[1][0])[:count]
-        return [[kind, name, seconds, n] for (kind, name), (seconds, n) in ranked]
+            return (spans[i][0], spans[i][1]) if inside else ("outside", "the layers")
+        return _ranked((owner(end), end - start) for start, end in gaps)[:count]
 
     def chrome_trace(self, pid: int = 0) -> dict:
         """The spans as a Chrome/Perfetto trace (one row per kind), microseconds from the
@@ -121,6 +113,17 @@ class Timeline:
                            "tid": KINDS.index(kind), "ts": (start - origin) * 1e6,
                            "dur": (end - start) * 1e6})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _ranked(items) -> list:
+    """[kind, name, seconds summed, items] per (kind, name) of `items` ((kind, name),
+    seconds), longest first (ties in first-seen order)."""
+    totals: dict = {}
+    for key, seconds in items:
+        total, n = totals.get(key, (0.0, 0))
+        totals[key] = (total + seconds, n + 1)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    return [[kind, name, seconds, n] for (kind, name), (seconds, n) in ranked]
 
 
 def span_or_nothing(timeline: "Timeline | None", kind: str, name: str):
