@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -85,7 +86,9 @@ def _timeline_step(run, calls, name: str) -> dict:
     seconds of compute, collective issue, waiting on collectives, block barriers, the
     step's wall time, where the thread was held longest (`Timeline.held_longest`), under the
     GPU emulation where its stream sat empty longest (`idle_longest`: `Timeline.idle_by_span`
-    of the call's `GpuEmulationMode.idle_gaps`; None without the emulation), and per
+    of the call's `GpuEmulationMode.idle_gaps`; None without the emulation) and where the
+    link carried no collective (`link_idle`: `link_record.LinkIdle` as a dict of ms over
+    the step's wall time; None without the emulation), and per
     block of the plan its median ms over the step's layer pairs on the device's clock
     (`block_ms`: [index, ms, pairs] rows; `_device_clock`) beside what the plan's cost model
     gives it (`planned_block_ms`, `planner.cosched.simulate_block`; None without a cost
@@ -93,6 +96,7 @@ def _timeline_step(run, calls, name: str) -> dict:
     own."""
     import torch.distributed as dist
 
+    from dhelix.gpu_emulation.link_record import link_idle
     from dhelix.runtime.timeline import Timeline
     from planner.cosched import simulate_block
 
@@ -107,6 +111,9 @@ def _timeline_step(run, calls, name: str) -> dict:
     # under the emulation: where its stream sat empty, by the span the host was in
     idle = (runner.timeline.idle_by_span(calls.last_idle_gaps)
             if calls.emulation is not None else None)
+    # under the emulation: where the link carried none of the step's collectives
+    link = (dataclasses.asdict(link_idle(calls.last_link_spans, start, start + elapsed))
+            if calls.emulation is not None else None)
     setup = run.dhelix
     # a mixed dense/MoE stack's layer pairs follow different plans: no blocks by index
     mixed = setup.pair_plans is not None and len(setup.pair_plans) > 1
@@ -117,7 +124,7 @@ def _timeline_step(run, calls, name: str) -> dict:
     if not mixed and setup.costs is not None and setup.plan is not None:
         planned = [simulate_block(b.fwd, b.bwd, setup.costs).ms for b in setup.plan.blocks]
     return {**totals, "step_s": elapsed, "held_longest": held, "idle_longest": idle,
-            "block_ms": blocks, "planned_block_ms": planned}
+            "link_idle": link, "block_ms": blocks, "planned_block_ms": planned}
 
 
 def _plan_costs(run) -> dict:
@@ -289,6 +296,7 @@ class _Calls:
         self.stream_idle_ms: dict = {}
         self.step_terms: dict = {}
         self.last_idle_gaps: list = []  # the last emulated call's `idle_gaps`
+        self.last_link_spans: list = []  # and its `link.spans()`
         if emulation is not None:
             from dhelix.gpu_emulation.emulated_run import GpuEmulation
             from dhelix.gpu_emulation.options import mark_process
@@ -329,6 +337,7 @@ class _Calls:
             out = fn()
         report = mode.report()
         self.last_idle_gaps = mode.idle_gaps()
+        self.last_link_spans = mode.link.spans()
         self.modelled_ms.setdefault(name, []).append(report.modelled_ms)
         self.stream_idle_ms.setdefault(name, []).append(report.stream_idle_s * 1e3)
         if name not in self.step_terms:  # the first call of a system: its first step

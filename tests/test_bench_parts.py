@@ -84,6 +84,10 @@ def _raw():
                                                         ["issue", "dispatch.a2a", 0.1, 4]],
                                        "idle_longest": [["outside", "the layers", 0.5, 3],
                                                         ["compute", "unpermute", 0.04 * f, 4]],
+                                       "link_idle": {"busy": 2500.0 * f, "idle": 700.0,
+                                                     "head": 200.0, "between": 300.0,
+                                                     "tail": 150.0, "after": 50.0,
+                                                     "collectives": 40},
                                        "block_ms": [[0, 30.0 * f, 7], [1, 120.0, 7]],
                                        "planned_block_ms": [25.0, 110.0]}},
               "link_floor": {"collectives": 170, "tensor_bytes": 85 * 2**20, "skipped": [],
@@ -154,6 +158,10 @@ def test_markdown_and_chart_with_na_rows(tmp_path):
     # where the emulated stream sat empty, by the operator it waited for or outside them
     assert ("- DHelix (analytic-cost plan, no profile): outside the layers 500 (3), compute "
             "`unpermute` 40 (4)") in text
+    # where the link carried none of its collectives, by where in their sequence
+    assert ("- DHelix (analytic-cost plan, no profile): idle 700 of 3200 (first tenth 200, "
+            "between 300, last tenth 150, after the last 50); in flight 2525 (40 collectives)"
+            ) in text
     # and that step's layer pairs block by block: planned / measured (the slower rank's)
     assert ("- DHelix (analytic-cost plan, no profile) (7 layer pairs): 1: 25 / 30, 2: 110 / "
             "120; a pair 135 / 150") in text

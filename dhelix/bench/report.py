@@ -398,6 +398,14 @@ def _timeline_table(rows: list) -> list:
                   "its next kernel: the operator the device waited for, or outside the "
                   "layers: embedding, loss, gradient finalisation):", ""]
         lines += idle
+    link = [_link_line(r) for r in recorded if r["timeline"].get("link_idle")]
+    if link:
+        lines += ["", "Where that step left the link idle (ms of its wall time with no "
+                  "collective in flight, by where in the step's sequence of collectives the "
+                  "stretch fell: before one of the first tenth, between, before one of the "
+                  "last tenth, after the last; and the time one or more was in flight, which "
+                  "the link floor's replay bounds from below):", ""]
+        lines += link
     blocks = [_blocks_line(r) for r in recorded if r["timeline"].get("block_ms")]
     if blocks:
         lines += ["", "That step's layer pairs block by block (median ms over the pairs, on "
@@ -425,6 +433,16 @@ def _blocks_line(row: dict) -> str:
              else f"{measured_sum:.0f}")
     return (f"- {row['label']} ({pairs} layer pairs): " + ", ".join(parts)
             + f"; a pair {total}")
+
+
+def _link_line(row: dict) -> str:
+    """One system's `link_idle` (`_timeline_step`; `link_record.LinkIdle`) as a list item."""
+    t = row["timeline"]
+    link = t["link_idle"]
+    return (f"- {row['label']}: idle {link['idle']:.0f} of {t['step_s'] * 1e3:.0f} (first "
+            f"tenth {link['head']:.0f}, between {link['between']:.0f}, last tenth "
+            f"{link['tail']:.0f}, after the last {link['after']:.0f}); in flight "
+            f"{link['busy']:.0f} ({link['collectives']} collectives)")
 
 
 def _ranked_line(row: dict, key: str) -> str:

@@ -71,6 +71,7 @@ from dhelix.gpu_emulation.aten_costs import (
 from dhelix.gpu_emulation.collective_clock import (
     CollectiveDurations, CollectiveKind, InFlightCollective, slowed_kernel_s)
 from dhelix.gpu_emulation.kernel_model import KernelTimeModel
+from dhelix.gpu_emulation.link_record import LinkRecord
 from dhelix.gpu_emulation.stream_ordered_issue import StreamOrderedIssuer, deferrable
 
 # DHelix paper, Table 7: concurrent compute and communication kernels run 20-30% slower on H100.
@@ -161,7 +162,8 @@ class GpuEmulationMode(TorchDispatchMode):
     """See the module docstring. `report()` at any time; `synchronize()` drains the stream.
     `emulates_gpu` marks it for `dhelix.devices.gpu_emulated`. `durations`: the
     collective durations observed so far, shared by the modes of one process (a fresh
-    record when None)."""
+    record when None). `link`: when each collective on a process group was issued for real
+    and completed (`link_record.LinkRecord`)."""
 
     emulates_gpu = True
 
@@ -183,6 +185,7 @@ class GpuEmulationMode(TorchDispatchMode):
         self._stream_idle = 0.0
         self._gaps: list = []
         self._issuer = StreamOrderedIssuer()
+        self.link = LinkRecord()  # every collective's issue and completion (link_record)
         self._exchanges = AllToAllExchanges()
         self._deferred = 0
         self._real_depth = 0
@@ -340,7 +343,9 @@ class GpuEmulationMode(TorchDispatchMode):
                          or self._issuer.busy(group))):
                 self._deferred += 1
                 start = max(self._stream_end, self._group_expected_end(group))
-                result = self._issuer.submit(self._stream_end, issue, args, kwargs)
+                result = self._issuer.submit(
+                    self._stream_end, issue, args, kwargs,
+                    on_issued=lambda real: self.link.note(real, kind.op, kind.nbytes))
                 self._in_flight += [InFlightCollective(unboxed_work(w), start, kind)
                                     for w in work_handles(result)]
                 return result
@@ -352,6 +357,7 @@ class GpuEmulationMode(TorchDispatchMode):
                 self._in_flight += [InFlightCollective(h, start, kind) for h in handles]
                 if group is not None and handles:
                     self._issuer.note_issued(group, handles[-1])
+                    self.link.note(handles[-1], kind.op, kind.nbytes)
             return result
         if is_fill_factory(func):
             return self._fill_factory(func, args, kwargs)

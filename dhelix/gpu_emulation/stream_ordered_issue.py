@@ -127,16 +127,17 @@ class StreamOrderedIssuer:
         work.get_future().add_done_callback(lambda _: done.set())
         self._last[group] = done
 
-    def submit(self, start_at: float, func, args: tuple, kwargs: dict):
+    def submit(self, start_at: float, func, args: tuple, kwargs: dict, on_issued=None):
         """Queue `func(*args, **kwargs)` to be issued at `time.perf_counter()` >= `start_at`;
         returns what the operator returns, with a `StreamOrderedWork` (boxed, as the
-        dispatcher hands it back) in place of its Work."""
+        dispatcher hands it back) in place of its Work. `on_issued(real_work)`, when given,
+        is called on the issuer's thread right after the collective was issued."""
         work = StreamOrderedWork()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="emulated-stream-issue",
                                             daemon=True)
             self._thread.start()
-        self._queue.put((start_at, func, args, kwargs, work))
+        self._queue.put((start_at, func, args, kwargs, work, on_issued))
         boxed = work.boxed()
         return boxed if len(func._schema.returns) == 1 else (args[0], boxed)
 
@@ -147,7 +148,7 @@ class StreamOrderedIssuer:
             try:
                 if item is None:
                     return
-                start_at, func, args, kwargs, work = item
+                start_at, func, args, kwargs, work, on_issued = item
                 while (left := start_at - time.perf_counter()) > 0:
                     time.sleep(left)
                 group = process_group_of(args)
@@ -162,11 +163,13 @@ class StreamOrderedIssuer:
                     continue
                 real = unboxed_work(result if len(func._schema.returns) == 1 else result[-1])
                 self.note_issued(group, real)
+                if on_issued is not None:
+                    on_issued(real)
                 work._set(real)
             finally:
                 # drop this thread's references to the caller's tensors and the handle now,
                 # not when the next collective arrives
-                item = args = kwargs = result = work = real = previous = None
+                item = args = kwargs = result = work = real = previous = on_issued = None
                 self._queue.task_done()
 
     def flush(self) -> None:

@@ -62,6 +62,7 @@ def test_quick_benchmark_writes_every_system_and_cleans_up(tmp_path):
         assert timeline["compute"] > 0 and timeline["issue"] > 0, (name, timeline)
         assert timeline["recorded"] <= timeline["step_s"]
         assert timeline["idle_longest"] is None  # no emulated GPU stream to leave empty
+        assert timeline["link_idle"] is None  # nor its record of the link
         held = timeline["held_longest"]  # the compute thread's longest holds, longest first
         assert held and [h[2] for h in held] == sorted((h[2] for h in held), reverse=True)
         assert sum(h[2] for h in held) <= (timeline["issue"] + timeline["wait"]

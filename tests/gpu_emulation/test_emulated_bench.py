@@ -109,6 +109,14 @@ def test_bench_body_runs_every_system_under_the_emulation():
         assert idle and [i[2] for i in idle] == sorted((i[2] for i in idle), reverse=True)
         assert sum(i[2] for i in idle) * 1e3 <= (
             emulated["stream_idle_ms"]["dhelix.timeline"][0] + 1e-6)
+        # and where the link carried none of that step's collectives: busy and idle split
+        # the step's wall time, the idle parts add up
+        link = r["timelines"]["dhelix"]["link_idle"]
+        step_ms = r["timelines"]["dhelix"]["step_s"] * 1e3
+        assert link["collectives"] > 0 and link["busy"] > 0
+        assert link["busy"] + link["idle"] == pytest.approx(step_ms, abs=1e-3)
+        assert link["head"] + link["between"] + link["tail"] + link["after"] == pytest.approx(
+            link["idle"], abs=1e-6)
         # the same kernels, whoever schedules them (the operator path reproduces Megatron's),
         # compared on the measured steps: the warm-up step also charges one-time work to
         # whichever row meets it first (0.224 ms more for the sequential row in about one
