@@ -7,7 +7,9 @@ host's thread or the stream-ordered issuer's) is noted with the time it was issu
 time its Work completed, and `link_idle` sums, over a window (one recorded step), the
 stretches with none in flight, split by where in the step's sequence of collectives they
 fell: before its first tenth (the unpaired first forward of an SI schedule), before its
-last tenth (the unpaired last backward), between, and after the last one.
+last tenth (the unpaired last backward), between, and after the last one. "The link" is
+any collective in flight on any process group: right for a node with one link (the
+benchmark's 2-node configurations); point-to-point transfers (a pipeline's) are not noted.
 
 Guarantees: host-side only, any device; nothing holds a tensor or a Work (the completion
 time is set by a callback on the Work's future, from whatever thread completes it, and a
