@@ -343,9 +343,11 @@ class GpuEmulationMode(TorchDispatchMode):
                          or self._issuer.busy(group))):
                 self._deferred += 1
                 start = max(self._stream_end, self._group_expected_end(group))
-                result = self._issuer.submit(
-                    self._stream_end, issue, args, kwargs,
-                    on_issued=lambda real: self.link.note(real, kind.op, kind.nbytes))
+                # the link notes what the issuer notes: a collective on a process group
+                note = (None if group is None
+                        else lambda real: self.link.note(real, kind.op, kind.nbytes))
+                result = self._issuer.submit(self._stream_end, issue, args, kwargs,
+                                             on_issued=note)
                 self._in_flight += [InFlightCollective(unboxed_work(w), start, kind)
                                     for w in work_handles(result)]
                 return result
