@@ -2,8 +2,9 @@
 
 In a link-bound step what a schedule can still gain is the time no collective is in flight.
 The emulated stream's idle gaps (`GpuEmulationMode.idle_gaps`) say where the device waited;
-`LinkRecord` says where the link did: every collective the mode issues for real (on the
-host's thread or the stream-ordered issuer's) is noted with the time it was issued and the
+`LinkRecord` says where the link did: every collective on a process group the mode issues
+for real (on the host's thread or the stream-ordered issuer's: both pass through
+`StreamOrderedIssuer.note_issued`, which notes it here) has the time it was issued and the
 time its Work completed, and `link_idle` sums, over a window (one recorded step), the
 stretches with none in flight, split by where in the step's sequence of collectives they
 fell: before its first tenth (the unpaired first forward of an SI schedule), before its
@@ -29,9 +30,7 @@ class LinkSpan:
     """One collective: issued at `issued_s`, completed at `done_s` (None until it does)."""
 
     issued_s: float
-    done_s: float | None
-    op: str
-    nbytes: int
+    done_s: float | None = None
 
 
 class LinkRecord:
@@ -41,10 +40,10 @@ class LinkRecord:
         self._spans: list = []
         self._lock = threading.Lock()
 
-    def note(self, work, op: str, nbytes: int) -> None:
+    def note(self, work) -> None:
         """`work` (a real Work) was issued just now; its completion is noted when its future
         completes."""
-        span = LinkSpan(time.perf_counter(), None, op, nbytes)
+        span = LinkSpan(time.perf_counter())
         with self._lock:
             self._spans.append(span)
 

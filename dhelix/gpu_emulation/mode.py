@@ -184,8 +184,8 @@ class GpuEmulationMode(TorchDispatchMode):
         self._absorbed = 0
         self._stream_idle = 0.0
         self._gaps: list = []
-        self._issuer = StreamOrderedIssuer()
         self.link = LinkRecord()  # every collective's issue and completion (link_record)
+        self._issuer = StreamOrderedIssuer(self.link)  # which notes them in it
         self._exchanges = AllToAllExchanges()
         self._deferred = 0
         self._real_depth = 0
@@ -343,11 +343,7 @@ class GpuEmulationMode(TorchDispatchMode):
                          or self._issuer.busy(group))):
                 self._deferred += 1
                 start = max(self._stream_end, self._group_expected_end(group))
-                # the link notes what the issuer notes: a collective on a process group
-                note = (None if group is None
-                        else lambda real: self.link.note(real, kind.op, kind.nbytes))
-                result = self._issuer.submit(self._stream_end, issue, args, kwargs,
-                                             on_issued=note)
+                result = self._issuer.submit(self._stream_end, issue, args, kwargs)
                 self._in_flight += [InFlightCollective(unboxed_work(w), start, kind)
                                     for w in work_handles(result)]
                 return result
@@ -359,7 +355,6 @@ class GpuEmulationMode(TorchDispatchMode):
                 self._in_flight += [InFlightCollective(h, start, kind) for h in handles]
                 if group is not None and handles:
                     self._issuer.note_issued(group, handles[-1])
-                    self.link.note(handles[-1], kind.op, kind.nbytes)
             return result
         if is_fill_factory(func):
             return self._fill_factory(func, args, kwargs)

@@ -43,6 +43,7 @@ from torch._C._distributed_c10d import Work
 from dhelix.c10d_ops import process_group_of, unboxed_work
 from dhelix.cluster.host_threads import ISSUE_THREAD_NAME, name_current_thread
 from dhelix.gpu_emulation.aten_costs import namespace, op_name
+from dhelix.gpu_emulation.link_record import LinkRecord
 
 # c10d operators whose results are (their first argument, Work) or a Work alone
 _DEFERRABLE = frozenset({
@@ -99,9 +100,12 @@ class StreamOrderedWork(Work):
 
 class StreamOrderedIssuer:
     """Issues deferred collectives at their stream times, in order, on one thread of its own
-    (started on first use, stopped by `close()`)."""
+    (started on first use, stopped by `close()`). Every collective on a process group, issued
+    here or noted by `note_issued`, is also noted in `link` when given
+    (`link_record.LinkRecord`: when it was issued and completed)."""
 
-    def __init__(self):
+    def __init__(self, link: LinkRecord | None = None):
+        self.link = link
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._failed: list = []  # handles whose collective raised
@@ -119,25 +123,26 @@ class StreamOrderedIssuer:
         return done is not None and not done.is_set()
 
     def note_issued(self, group, work) -> None:
-        """Record `work` (a real Work) as `group`'s last collective; keeps only an Event
-        its future sets on completion (or failure)."""
+        """Record `work` (a real Work), issued just now, as `group`'s last collective; keeps
+        only an Event its future sets on completion (or failure), and notes it in `link`."""
         if group is None:
             return
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
         self._last[group] = done
+        if self.link is not None:
+            self.link.note(work)
 
-    def submit(self, start_at: float, func, args: tuple, kwargs: dict, on_issued=None):
+    def submit(self, start_at: float, func, args: tuple, kwargs: dict):
         """Queue `func(*args, **kwargs)` to be issued at `time.perf_counter()` >= `start_at`;
         returns what the operator returns, with a `StreamOrderedWork` (boxed, as the
-        dispatcher hands it back) in place of its Work. `on_issued(real_work)`, when given,
-        is called on the issuer's thread right after the collective was issued."""
+        dispatcher hands it back) in place of its Work."""
         work = StreamOrderedWork()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="emulated-stream-issue",
                                             daemon=True)
             self._thread.start()
-        self._queue.put((start_at, func, args, kwargs, work, on_issued))
+        self._queue.put((start_at, func, args, kwargs, work))
         boxed = work.boxed()
         return boxed if len(func._schema.returns) == 1 else (args[0], boxed)
 
@@ -148,7 +153,7 @@ class StreamOrderedIssuer:
             try:
                 if item is None:
                     return
-                start_at, func, args, kwargs, work, on_issued = item
+                start_at, func, args, kwargs, work = item
                 while (left := start_at - time.perf_counter()) > 0:
                     time.sleep(left)
                 group = process_group_of(args)
@@ -163,13 +168,11 @@ class StreamOrderedIssuer:
                     continue
                 real = unboxed_work(result if len(func._schema.returns) == 1 else result[-1])
                 self.note_issued(group, real)
-                if on_issued is not None:
-                    on_issued(real)
                 work._set(real)
             finally:
                 # drop this thread's references to the caller's tensors and the handle now,
                 # not when the next collective arrives
-                item = args = kwargs = result = work = real = previous = on_issued = None
+                item = args = kwargs = result = work = real = previous = None
                 self._queue.task_done()
 
     def flush(self) -> None:
