@@ -175,6 +175,16 @@ def check_gpu_emulation(ns) -> str | None:
     return None
 
 
+# The emulated GPU's ranks' host allocator (set where the environment does not already):
+# every allocation of 1 MiB or more its own mmap, so the emulation's never-written kernel
+# outputs stay untouched zero pages (with glibc's adaptive threshold they come from the heap,
+# reusing written pages: a rank at Llama-8B layer shapes reached 11.7 GB resident and was
+# killed); those of 2 MiB or more on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE),
+# so what gloo reads and writes of a fresh buffer faults in 2 MiB at a time, not 4 KiB,
+# while an untouched one still maps no memory (docs/gpu_emulation.md, "Host memory").
+EMULATED_RANK_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "THP_MEM_ALLOC_ENABLE": "1"}
+
+
 def gpu_emulation_spec(ns) -> dict | None:
     """`--gpu-emulation PROFILE --time-scale S`: the profile's layer traced once in a process
     of its own (`profile_fit.trace_profile_layer`), as the `GpuEmulation` fields every rank
@@ -188,11 +198,8 @@ def gpu_emulation_spec(ns) -> dict | None:
     trace = trace_profile(profile)
     emulation = GpuEmulation(profile=profile, trace=trace, time_scale=ns.time_scale)
     emulation.kernel_model()  # refuse a profile the model cannot be fitted to, here
-    # the ranks (which inherit this environment): every allocation of 1 MiB or more its own
-    # mmap, so the emulation's never-written kernel outputs stay untouched zero pages; with
-    # glibc's adaptive threshold they come from the heap, reusing written pages (a rank at
-    # Llama-8B layer shapes reached 11.7 GB resident and was killed)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    for name, value in EMULATED_RANK_ENVIRONMENT.items():  # the ranks inherit it
+        os.environ.setdefault(name, value)
     return {"profile": profile, "trace": trace, "time_scale": ns.time_scale,
             "overlap_slowdown": emulation.overlap_slowdown}
 
