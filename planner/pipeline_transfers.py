@@ -18,7 +18,9 @@ Per SI block, exposure = max(0, transfer - tail) + max(0, transfer - head): the 
 pairing (the whole backward, then the whole forward) has tail = the forward's time and head
 = the backward's; a plan whose last block co-executes both strands has tail ~0 and, if its
 first block pairs them too, head 0. The block model (`planner.cosched`) gives the times;
-queueing of the two transfers on one link is not modelled.
+queueing of the two transfers on one link is not modelled. A streamed SI block
+(`planner.streamed`) is charged by the same formula (`exposed_ms`), from its simulated
+strands' starts and ends.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class TransferExposure:
     exposed_ms: float
 
 
+def exposed_ms(transfer_ms: float, tail_ms: float, head_ms: float) -> float:
+    """What an SI block's two transfers of `transfer_ms` leave exposed, given the first
+    strand's `tail_ms` and `head_ms` (module docstring)."""
+    if transfer_ms < 0:
+        raise ValueError(f"a transfer time is >= 0 ms, got {transfer_ms}")
+    return max(0.0, transfer_ms - tail_ms) + max(0.0, transfer_ms - head_ms)
+
+
 def transfer_exposure(plan: Plan, transfer_ms: float) -> TransferExposure:
     """The exposure of `plan`'s pipeline transfers of `transfer_ms` each (module docstring)."""
     if transfer_ms < 0:
@@ -52,8 +62,21 @@ def transfer_exposure(plan: Plan, transfer_ms: float) -> TransferExposure:
         if block.bwd if first == "fwd" else block.fwd:  # the other strand starts here
             break
         head += block.predicted_ms
-    exposed = max(0.0, transfer_ms - tail) + max(0.0, transfer_ms - head)
-    return TransferExposure(first, tail, head, exposed)
+    return TransferExposure(first, tail, head, exposed_ms(transfer_ms, tail, head))
+
+
+def strands_exposure(total_ms: float, starts: dict, ends: dict,
+                     transfer_ms: float) -> TransferExposure:
+    """The exposure of an SI block whose strands ("fwd", "bwd") start at `starts` and end
+    at `ends` (ms from the block's start, the block `total_ms` long; e.g. a streamed
+    sequence's simulation): the strand that ends first leaves `tail` before the end, and
+    runs alone for `head` from its start until the other strand's first operator (0 where
+    the other starts first)."""
+    first = min(ends, key=lambda strand: (ends[strand], strand))
+    other = "bwd" if first == "fwd" else "fwd"
+    tail = total_ms - ends[first]
+    head = max(0.0, starts[other] - starts[first])
+    return TransferExposure(first, tail, head, exposed_ms(transfer_ms, tail, head))
 
 
 def si_block_ms(plan: Plan, pairs: int, transfer_ms: float) -> float:

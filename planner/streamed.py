@@ -35,6 +35,14 @@ the list scheduler runs a strand's computation only where that stays within the 
 (else the other strand's, which frees: a backward; or, where neither fits, the backward),
 and a candidate whose sequence still exceeds the budget is kept only when none fits (the
 one with the least peak; `within_budget` says so).
+
+Pipeline transfers (`transfer_ms`, optional: a folded stage of the W schedule): the block's
+forward input and output gradient travel between the stages, and a block whose strands
+start and end together leaves both transfers exposed (`planner.pipeline_transfers`). With a
+transfer time the search also simulates every candidate with the forward strand held back
+until that time (its input still in flight: the backward strand runs alone first, and
+tends to end first, so its output leaves early), and ranks candidates by the simulated
+time plus the exposure the strands' starts and ends leave (`exposed_ms`).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from planner.cosched import collective_sigma
 from planner.costs import CostModel
 from planner.memory import MemoryBound, earliest_fitting_start, live_and_peak
 from planner.orders import candidate_orders
+from planner.pipeline_transfers import strands_exposure
 
 FWD, BWD = "fwd", "bwd"
 # candidates one search ranks (each simulated on one layer pair: ~0.2 ms for a Llama layer)
@@ -78,7 +87,10 @@ class StreamedSchedule:
     costs, and what a margin would have to allow to avoid it), and `input_step`: the earliest
     entry of the sequence before which the forward's input (`MemoryBound.input_bytes`) may
     be made with every entry up to the first forward one within the budget
-    (`early_input_step`; 0 without a bound)."""
+    (`early_input_step`; 0 without a bound). With pipeline transfers (`transfer_ms`): the
+    time the forward strand was held back in the simulation (`fwd_hold_ms`) and the
+    transfers' exposure (`exposed_ms`; `block_ms` adds it to the simulated time), and
+    `unbounded_ms` includes that exposure too."""
 
     fwd_order: tuple
     bwd_order: tuple
@@ -92,6 +104,15 @@ class StreamedSchedule:
     unbounded_ms: float | None = None
     unbounded_peak_bytes: float | None = None
     input_step: int = 0
+    transfer_ms: float | None = None
+    fwd_hold_ms: float = 0.0
+    exposed_ms: float = 0.0
+
+    @property
+    def block_ms(self) -> float:
+        """The SI block's time with its pipeline transfers' exposure (the simulated time
+        without transfers)."""
+        return self.total_ms + self.exposed_ms
 
     @property
     def first_forward_step(self) -> int:
@@ -161,8 +182,8 @@ def simulate_streamed(model: _Model, fwd_order: Sequence[str], bwd_order: Sequen
     pairs streamed as the module docstring says; the lane order of every pair's collectives
     follows `pattern`; `memory` measures the peak (0.0 without it) and, with `steer`, keeps
     the compute lane within its budget."""
-    ms, sequence, peak = _simulate(model, fwd_order, bwd_order, pattern, pairs, memory, steer)
-    return ms, _steps(sequence), peak
+    run = _simulate(model, fwd_order, bwd_order, pattern, pairs, memory, steer)
+    return run.ms, _steps(run.sequence), run.peak
 
 
 def _steps(sequence: tuple) -> tuple:
@@ -170,10 +191,22 @@ def _steps(sequence: tuple) -> tuple:
     return tuple(StreamedStep(d, p, o) for d, p, o in sequence)
 
 
+class _Run(NamedTuple):
+    """One simulation (`_simulate`): its time, (strand, pair, op) sequence and peak, and
+    each strand's first start and last end (ms from the block's start)."""
+
+    ms: float
+    sequence: tuple
+    peak: float
+    starts: dict
+    ends: dict
+
+
 def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
               pattern: Sequence[str], pairs: int, memory: MemoryBound | None,
-              steer: bool) -> tuple[float, tuple, float]:
-    """`simulate_streamed` with the sequence as (strand, pair, op) tuples.
+              steer: bool, fwd_hold: float = 0.0) -> _Run:
+    """`simulate_streamed` with the sequence as (strand, pair, op) tuples, the forward
+    strand's first operator ready no earlier than `fwd_hold` ms (its input in flight).
 
     (The planner runs this thousands of times per plan, so it keeps each strand's head
     operator and the time it is ready until the strand moves on, each layer's end once
@@ -192,6 +225,7 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
     running: list = []  # collectives in flight after the compute clock: (start, end, sigma)
     last_end = 0.0  # of every collective issued
     sequence = []
+    starts: dict = {}  # strand -> its first operator's start
     t = 0.0
     live, peak = 0.0, 0.0
     bounded = memory is not None
@@ -215,7 +249,7 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
     def layer_started(direction, pair):
         """The strand's previous layer has ended (every op and collective done) by then."""
         if pair == 0:
-            return 0.0
+            return fwd_hold if direction == FWD else 0.0
         key = (direction, pair - 1)
         if key not in layer_end:
             layer_end[key] = max(done_at[(direction, pair - 1, o)] for o in orders[direction])
@@ -249,6 +283,7 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
                     continue
                 channel = model.ops[direction][op].channel
                 start = max(t, ready, lanes.get(channel, 0.0))
+                starts.setdefault(direction, start)
                 end = start + model.solo[direction][op]
                 lanes[channel] = end
                 last_end = max(last_end, end)
@@ -279,6 +314,7 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
             direction = owner
         pair, op, ready = head[direction]
         start = max(t, ready)
+        starts.setdefault(direction, start)
         t = _compute_end(start, model.solo[direction][op], running)
         running = [c for c in running if c[1] > t]
         done_at[(direction, pair, op)] = t
@@ -288,7 +324,8 @@ def _simulate(model: _Model, fwd_order: Sequence[str], bwd_order: Sequence[str],
             live += delta[direction][op]
         position[direction] += 1
         head[direction] = head_of(direction)
-    return max(t, last_end), tuple(sequence), peak
+    ends = {d: max(done_at[(d, pairs - 1, o)] for o in orders[d]) for d in orders}
+    return _Run(max(t, last_end), tuple(sequence), peak, starts, ends)
 
 
 def early_input_step(sequence: Sequence, memory: MemoryBound) -> int:
@@ -330,36 +367,56 @@ def _compute_end(start: float, work: float, running: list) -> float:
 
 class _Outcome(NamedTuple):
     """One candidate simulated over some layer pairs: its better sequence by `key` (within
-    the budget first, then faster; outside it, smaller peak first), that sequence's time and
-    peak, and the unsteered ("free") sequence's time and peak (what the bound costs). The
+    the budget first, then faster, transfers' exposure counted; outside it, smaller peak
+    first), that sequence's time, peak, forward hold and exposure, and the fastest unsteered
+    ("free") sequence's time (exposure included) and peak (what the bound costs). The
     sequence is `_simulate`'s (strand, pair, op) tuples."""
 
     key: tuple
     ms: float
     sequence: tuple
     peak: float
+    hold: float
+    exposed: float
     free_ms: float
     free_peak: float
 
 
-def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound | None
-              ) -> tuple[_Outcome, int]:
+def _exposed(run: _Run, transfer_ms: float | None) -> float:
+    """The pipeline transfers' exposure of `run` (0 without transfers)."""
+    if transfer_ms is None:
+        return 0.0
+    return strands_exposure(run.ms, run.starts, run.ends, transfer_ms).exposed_ms
+
+
+def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound | None,
+              transfer_ms: float | None = None) -> tuple[_Outcome, int]:
     """The outcome of one candidate (lane pattern, forward order, backward order) over
-    `pairs` layer pairs, and how many simulations it took: the free sequence and, where it
-    peaks above a bound, the steered one (where the free one fits, steering changes no
-    decision: the same sequence)."""
+    `pairs` layer pairs, and how many simulations it took: per forward hold (none, and with
+    `transfer_ms` that long too), the free sequence and, where it peaks above a bound, the
+    steered one (where the free one fits, steering changes no decision: the same
+    sequence)."""
     pattern, f, b = candidate
     budget = memory.budget_bytes if memory is not None else None
-    free = _simulate(model, f, b, pattern, pairs, memory, steer=False)
-    runs = [free]
-    if budget is not None and free[2] > budget:
-        runs.insert(0, _simulate(model, f, b, pattern, pairs, memory, steer=True))
-    best = None
-    for ms, sequence, peak in runs:
-        key = (0, ms) if budget is None or peak <= budget else (1, peak)
-        if best is None or key < best[0]:
-            best = (key, ms, sequence, peak)
-    return _Outcome(*best, free_ms=free[0], free_peak=free[2]), len(runs)
+    holds = (0.0,) if transfer_ms is None else (0.0, transfer_ms)
+    best, fastest_free, count = None, None, 0
+    for hold in holds:
+        free = _simulate(model, f, b, pattern, pairs, memory, steer=False, fwd_hold=hold)
+        runs = [free]
+        if budget is not None and free.peak > budget:
+            runs.insert(0, _simulate(model, f, b, pattern, pairs, memory, steer=True,
+                                     fwd_hold=hold))
+        count += len(runs)
+        for run in runs:
+            exposed = _exposed(run, transfer_ms)
+            block = run.ms + exposed
+            key = (0, block) if budget is None or run.peak <= budget else (1, run.peak)
+            if best is None or key < best[0]:
+                best = (key, run.ms, run.sequence, run.peak, hold, exposed)
+        free_block = free.ms + _exposed(free, transfer_ms)
+        if fastest_free is None or free_block < fastest_free[0]:
+            fastest_free = (free_block, free.peak)
+    return _Outcome(*best, free_ms=fastest_free[0], free_peak=fastest_free[1]), count
 
 
 def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
@@ -368,7 +425,8 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
                   bwd_orders: Sequence[Sequence[str]] | None = None,
                   memory: MemoryBound | None = None,
                   max_candidates: int = MAX_CANDIDATES,
-                  shortlist: int = SHORTLIST) -> StreamedSchedule:
+                  shortlist: int = SHORTLIST,
+                  transfer_ms: float | None = None) -> StreamedSchedule:
     """The fastest streamed interleaving of `pairs` layer pairs (module docstring) over the
     candidate strand orders (`candidate_orders(dag, max_orders, wgrad_move)` unless given)
     and every lane pattern, at most `max_candidates` candidates (every lane pattern, each
@@ -380,9 +438,13 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
     again on `pairs` pairs, and the best of those is kept, so only those few simulations grow
     with the layer count (at the emulated benchmarks' Llama and MoE shapes the one-pair
     ranking put the full search's best first). Deterministic: ties keep the first candidate
-    (program orders first)."""
+    (program orders first). With `transfer_ms` (a folded stage's pipeline transfer), ranked
+    with the transfers' exposure counted, each candidate also simulated with the forward
+    held back that long (module docstring)."""
     if pairs < 1:
         raise ValueError(f"a streamed SI block pairs at least one layer, got {pairs}")
+    if transfer_ms is not None and transfer_ms < 0:
+        raise ValueError(f"a transfer time is >= 0 ms, got {transfer_ms}")
     model = _Model(fwd, bwd, costs)
     fwd_orders = [tuple(o) for o in (fwd_orders or candidate_orders(fwd, max_orders, wgrad_move))]
     bwd_orders = [tuple(o) for o in (bwd_orders or candidate_orders(bwd, max_orders, wgrad_move))]
@@ -397,7 +459,7 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
     searched = 0
     one_pair = []
     for candidate in candidates:
-        result, runs = _evaluate(model, candidate, 1, memory)
+        result, runs = _evaluate(model, candidate, 1, memory, transfer_ms)
         one_pair.append(result)
         searched += runs
     if pairs > 1:
@@ -406,7 +468,7 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
         kept = sorted(set(ranked[:shortlist]) | set(fastest_free[:shortlist]))
         results = []
         for i in kept:
-            result, runs = _evaluate(model, candidates[i], pairs, memory)
+            result, runs = _evaluate(model, candidates[i], pairs, memory, transfer_ms)
             results.append((i, result))
             searched += runs
     else:
@@ -422,18 +484,23 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
                             unbounded_ms=fastest.free_ms if bounded else None,
                             unbounded_peak_bytes=fastest.free_peak if bounded else None,
                             input_step=(early_input_step(_steps(best.sequence), memory)
-                                        if bounded else 0))
+                                        if bounded else 0),
+                            transfer_ms=transfer_ms, fwd_hold_ms=best.hold,
+                            exposed_ms=best.exposed)
 
 
 class StreamedPlanner:
     """Streamed schedules of one layer's DAGs and costs (and memory bound, or None) for any
     SI block size, each searched once (`plan_streamed`) and kept: an SI block pairs all of a
-    rank's layers without pipelining and a chunk's on a folded stage."""
+    rank's layers without pipelining and a chunk's on a folded stage; with `transfer_ms`
+    (the folded stage's pipeline transfer) each searched with its transfers counted."""
 
     def __init__(self, fwd: OpDAG, bwd: OpDAG, costs: CostModel, max_orders: int = 64,
-                 wgrad_move: int = 4, memory: MemoryBound | None = None):
+                 wgrad_move: int = 4, memory: MemoryBound | None = None,
+                 transfer_ms: float | None = None):
         self.fwd, self.bwd, self.costs, self.memory = fwd, bwd, costs, memory
         self.max_orders, self.wgrad_move = max_orders, wgrad_move
+        self.transfer_ms = transfer_ms
         self._schedules: dict = {}
 
     def adopt(self, schedules: dict) -> None:
@@ -445,5 +512,6 @@ class StreamedPlanner:
         if pairs not in self._schedules:
             self._schedules[pairs] = plan_streamed(self.fwd, self.bwd, self.costs, pairs,
                                                    self.max_orders, self.wgrad_move,
-                                                   memory=self.memory)
+                                                   memory=self.memory,
+                                                   transfer_ms=self.transfer_ms)
         return self._schedules[pairs]

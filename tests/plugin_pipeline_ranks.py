@@ -324,8 +324,32 @@ class PairCounter:
         return self._run_paired(fwd_layers, *args, **kwargs)
 
 
+class StreamedOutputCounter:
+    """Wraps a `LayerRunner._run_streamed` (where the runner streams) to count the SI
+    blocks run streamed on this rank and the outputs they reported early (`on_output`:
+    what the executor may send while the other strand runs)."""
+
+    def __init__(self, runner):
+        self.blocks, self.early_outputs = 0, 0
+        if runner.streamed is not None:
+            self._run_streamed = runner._run_streamed
+            runner._run_streamed = self
+
+    def __call__(self, fwd_layers, inputs, rotary_pos_emb, bwd_executions, grads,
+                 on_output=None):
+        self.blocks += 1
+
+        def counted(direction, tensor):
+            self.early_outputs += 1
+            on_output(direction, tensor)
+
+        return self._run_streamed(fwd_layers, inputs, rotary_pos_emb, bwd_executions, grads,
+                                  counted if on_output is not None else None)
+
+
 def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
-    """For each case {name: {"tp", "pp", "sp", "pairer", "extra"}}: stock Megatron (TP x PP,
+    """For each case {name: {"tp", "pp", "sp", "pairer", "extra", "dhelix_extra" (the
+    `--dhelix` run's own arguments)}}: stock Megatron (TP x PP,
     Megatron's own 1F1B schedule) and `--dhelix` (folded model, W-shaped schedule,
     operator-level SI blocks) are each built from the same --seed (no checkpoint passes
     weights between them) and train `steps` SGD steps on the same data. `init_param_diff`
@@ -334,7 +358,9 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
 
     Returns {name: {"init_param_diff", "init_param_key", "rows", "pairs" (co-executed layer
     pairs per rank), "m", "p", "steps", "embedding_waits" (per rank: deferred embedding
-    all-reduces waited on, `counted_embedding_waits`), "executed", "eval_loss_diff"}}."""
+    all-reduces waited on, `counted_embedding_waits`), "streamed" (per rank: (SI blocks run
+    streamed, outputs they reported early), `StreamedOutputCounter`), "executed",
+    "eval_loss_diff"}}."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from dhelix.parity import max_abs_diff
@@ -348,9 +374,11 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
         ref_steps = [observed_step(ref, with_grads=True) for _ in range(steps)]
         ref_eval = eval_loss(ref)
         close_all_runs()
-        run = tiny_run(*argv, "--dhelix", "--dhelix-pairer", spec.get("pairer", "dp"))
+        run = tiny_run(*argv, "--dhelix", "--dhelix-pairer", spec.get("pairer", "dp"),
+                       *spec.get("dhelix_extra", ()))
         init_diff, init_key = max_abs_diff(ref_init, full_params(run))
         counter = PairCounter(run.dhelix.runner)
+        streamed = StreamedOutputCounter(run.dhelix.runner)
         deferred = {}
         with counted_embedding_waits(deferred):
             got = [observed_step(run, with_grads=True) for _ in range(steps)]
@@ -360,12 +388,14 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
         dist.all_gather_object(pairs, counter.pairs)
         embedding_waits = [None] * dist.get_world_size()
         dist.all_gather_object(embedding_waits, deferred.get("embedding", 0))
+        streamed_counts = [None] * dist.get_world_size()
+        dist.all_gather_object(streamed_counts, (streamed.blocks, streamed.early_outputs))
         with run.active():
             m = get_num_microbatches()
         report[name] = {"init_param_diff": init_diff, "init_param_key": init_key,
                         "rows": compare_steps(ref_steps, got), "pairs": pairs,
                         "m": m, "p": spec["pp"], "steps": steps,
-                        "embedding_waits": embedding_waits,
+                        "embedding_waits": embedding_waits, "streamed": streamed_counts,
                         "executed": {"train": trained, "eval": engine_record(run)},
                         "eval_loss_diff": eval_diff}
         close_all_runs()

@@ -27,8 +27,10 @@ STEPS = 3
 
 CASES_4 = {
     # RoPE, TP without SP: the folded stage 0's embedding all-reduce travels
-    "tp2pp2_m4_dp": dict(tp=2, pp=2, pairer="dp",
-                         extra=["--num-layers", "8", "--position-embedding-type", "rope"]),
+    # streamed SI blocks (forced): each strand's output leaves as soon as the strand ends
+    "tp2pp2_m4_dp": dict(tp=2, pp=2, pairer="dp", streamed=True,
+                         extra=["--num-layers", "8", "--position-embedding-type", "rope"],
+                         dhelix_extra=["--dhelix-streamed"]),
     "tp2pp2_sp_m3_round_robin": dict(tp=2, pp=2, sp=True, pairer="round_robin",
                                      extra=["--num-layers", "4", "--global-batch-size", "6"]),
     # (the Llama-style TP2xPP2+SP case runs inside megatron.training.pretrain:
@@ -50,7 +52,8 @@ def _print(report):
             print(f"{name} (p={case['p']}, m={case['m']}) step {i + 1}: loss "
                   f"{row['loss']:.6f} diff {row['loss_diff']:.1e}, grad diff "
                   f"{row['grad_diff']:.1e} ({row['grad_key']}), param diff "
-                  f"{row['param_diff']:.1e}; co-executed layer pairs per rank {case['pairs']}")
+                  f"{row['param_diff']:.1e}; co-executed layer pairs per rank {case['pairs']}"
+                  f"; streamed SI blocks, early outputs per rank {case['streamed']}")
     return report
 
 
@@ -66,7 +69,7 @@ def report_8(tmp_path_factory):
                                timeout_s=600, env={"OMP_NUM_THREADS": "1"})[0]["pipeline"])
 
 
-def _check(case):
+def _check(case, spec):
     # Same seed, same weights: the folded model draws every layer from the RNG stream of
     # the stock stage that owns it, so the values are identical, not merely close.
     assert case["init_param_diff"] == 0.0, case["init_param_key"]
@@ -81,11 +84,16 @@ def _check(case):
     # engine's executor (the PP=1 runs are held to the same check in test_dhelix_pp1.py).
     assert_ran_on_the_engine(case["executed"], "w", "OperatorPasses", path="folded")
     assert case["eval_loss_diff"] <= FP32_EVAL
+    if spec.get("streamed"):
+        # every rank ran its SI blocks streamed and reported outputs before the block's
+        # end (the executor sent them then); the numbers above hold with it
+        assert all(blocks > 0 and early > 0 for blocks, early in case["streamed"]), \
+            case["streamed"]
 
 
 @pytest.mark.parametrize("name", sorted(CASES_4))
 def test_dhelix_pp_matches_megatron_1f1b_4_ranks(report_4, name):
-    _check(report_4[name])
+    _check(report_4[name], CASES_4[name])
 
 
 def test_folded_stage_0_lets_the_embedding_all_reduce_travel(report_4):
@@ -101,7 +109,7 @@ def test_folded_stage_0_lets_the_embedding_all_reduce_travel(report_4):
 
 @pytest.mark.parametrize("name", sorted(CASES_8))
 def test_dhelix_pp_matches_megatron_1f1b_8_ranks(report_8, name):
-    _check(report_8[name])
+    _check(report_8[name], CASES_8[name])
 
 
 SEQ, MICRO_BATCH, VOCAB = 256, 2, 1024

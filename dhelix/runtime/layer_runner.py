@@ -243,8 +243,9 @@ class LayerRunner:
         `on_output(direction, tensor)` ("fwd": the forward output, "bwd": the input
         gradient) is called as soon as the last layer pair's strand of that direction has
         run its last operator with nothing in flight, while the other strand may still run
-        (the pipeline executor sends it then); the same tensor is returned. Not called on
-        the streamed path, nor for a strand that ends with a collective in flight.
+        (the pipeline executor sends it then); the same tensor is returned. Not called for
+        a strand that ends with a collective in flight (on the streamed path: still in
+        flight when the sequence's last entry has run).
 
         Returns (forward output, forward executions in forward order, input gradient of the
         last backward execution)."""
@@ -253,7 +254,7 @@ class LayerRunner:
                              f"forward layers, {len(bwd_executions)} backward layers")
         if self.streamed is not None:
             return self._run_streamed(fwd_layers, inputs, rotary_pos_emb, bwd_executions,
-                                      grads)
+                                      grads, on_output)
         seam, count = self.seam, len(fwd_layers)
         x, grad = take_handed(inputs), take_handed(grads)
         produced = x if isinstance(x, Producing) else None
@@ -288,10 +289,11 @@ class LayerRunner:
         return x, executions, grad
 
     def _run_streamed(self, fwd_layers: Sequence[int], inputs: list, rotary_pos_emb,
-                      bwd_executions: Sequence, grads: list):
+                      bwd_executions: Sequence, grads: list, on_output=None):
         """`run_paired` as one streamed sequence (`dhelix.runtime.streamed_executor`): each
         strand's layers chained, a layer's output (input gradient) handed to the next
-        layer's execution when the sequence reaches it; same ownership and result."""
+        layer's execution when the sequence reaches it; a strand's last output reported
+        to `on_output` as soon as the strand has ended; same ownership and result."""
         schedule = self.streamed.for_pairs(len(fwd_layers))
         outputs, grad_outputs, executions = [take_handed(inputs)], [take_handed(grads)], []
         before_step = None
@@ -318,5 +320,11 @@ class LayerRunner:
 
         chains = {"fwd": StrandChain(open_fwd, lambda e: outputs.append(e.end_forward())),
                   "bwd": StrandChain(open_bwd, lambda e: grad_outputs.append(e.end_backward()))}
-        run_streamed(schedule.sequence, chains, self.timeline, before_step)
+        ended = {"fwd": outputs, "bwd": grad_outputs}
+
+        def on_strand_end(strand: str) -> None:
+            on_output(strand, ended[strand][0])  # still held there: returned below
+
+        run_streamed(schedule.sequence, chains, self.timeline, before_step,
+                     on_strand_end if on_output is not None else None)
         return take_handed(outputs), executions, take_handed(grad_outputs)

@@ -421,17 +421,19 @@ def si_block_pairs(parts: GPTParts) -> list:
     return sorted({len(parts.chunk_layers(c)) for c in range(parts.num_chunks)})
 
 
-def _streamed_planner(run: DHelixRun, fwd, bwd, costs, memory=None) -> StreamedPlanner:
+def _streamed_planner(run: DHelixRun, fwd, bwd, costs, memory=None,
+                      transfer_ms: float | None = None) -> StreamedPlanner:
     """The planner of the run's streamed SI blocks (`planner.streamed`; `choose_streamed`
     decides whether they run), from the cost model the plan was built with, else (a plan file)
     from `--dhelix-profile` or the analytic default costs, bounded by `memory` (the dp
-    plan's `planner.memory.MemoryBound`, None without one). Deterministic given the costs
-    and the bound, so every rank of a stage derives the same sequence."""
+    plan's `planner.memory.MemoryBound`, None without one), with a folded stage's pipeline
+    transfers of `transfer_ms` counted (None: none). Deterministic given the costs, the
+    bound and the transfer time, so every rank of a stage derives the same sequence."""
     if costs is None:
         profile = load_profile(run.options.profile) if run.options.profile else None
         costs = build_cost_model(fwd, bwd, profile,
                                  profile_path=run.options.profile or "profile")
-    return StreamedPlanner(fwd, bwd, costs, memory=memory)
+    return StreamedPlanner(fwd, bwd, costs, memory=memory, transfer_ms=transfer_ms)
 
 
 def planned_once(plan: Callable[[], object]):
@@ -462,20 +464,26 @@ def planned_once(plan: Callable[[], object]):
 
 
 def _streamed_summary(schedule) -> str:
-    """One phrase for the plan line: the streamed schedule's size, time and memory."""
+    """One phrase for the plan line: the streamed schedule's size, time and memory (and its
+    pipeline transfers' exposure, where counted)."""
     text = (f"streamed SI blocks ({schedule.pairs} layer pairs: {schedule.pair_ms:.2f} ms a "
             f"pair, lane order {'/'.join(schedule.lane_pattern)}")
+    if schedule.transfer_ms is not None:
+        text += (f", the forward held {schedule.fwd_hold_ms:.2f} ms, pipeline transfers "
+                 f"exposed {schedule.exposed_ms:.2f} ms a block")
     if schedule.budget_bytes is not None:
         verdict = "within" if schedule.within_budget else "ABOVE"
         text += (f", peak {schedule.peak_bytes / MIB:.2f} MiB {verdict} the memory bound "
                  f"{schedule.budget_bytes / MIB:.2f} MiB")
         if schedule.unbounded_ms < schedule.total_ms:
             text += (f"; without the bound {schedule.unbounded_ms / schedule.pairs:.2f} ms a "
-                     f"pair at {schedule.unbounded_peak_bytes / MIB:.2f} MiB")
+                     f"pair at {schedule.unbounded_peak_bytes / MIB:.2f} MiB"
+                     + (" (transfers counted)" if schedule.transfer_ms is not None else ""))
     return text + ")"
 
 
-def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, memory=None
+def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, memory=None,
+                    transfers: tuple[float, float] | None = None
                     ) -> tuple[StreamedPlanner | None, str]:
     """Whether this stage's SI blocks run streamed (`planner.streamed`): (the planner the
     runner streams from, or None for the block plan; the phrase for the plan line, "" where
@@ -484,20 +492,30 @@ def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, me
     file; not the baselines' pairers); `--dhelix-no-streamed` never. Streams where the
     sequence is predicted faster than the block plan a layer pair and, by default, within
     the memory bound (`--dhelix-streamed` runs the least peak where none fits, with a
-    warning). Collective over the stage's group where considered (`planned_once`), on
-    every rank alike."""
+    warning). On a folded stage, `transfers` = (one pipeline transfer's ms, `plan`'s SI
+    block ms with the transfers counted: `choose_for_transfers`): the sequence is searched
+    with the transfers counted and compared by the whole SI block. Collective over the
+    stage's group where considered (`planned_once`), on every rank alike."""
     options = run.options
     forced = options.streamed is True
     if not (forced or (options.streamed is None and options.pairer == "dp"
                        and not options.plan and not options.commfree_timing_only)):
         return None, ""
-    streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory)
+    transfer_ms, plan_block_ms = transfers if transfers is not None else (None, None)
+    streamed = _streamed_planner(run, dags["fwd"], dags["bwd"], costs, memory, transfer_ms)
     sizes = si_block_pairs(parts)
     streamed.adopt(planned_once(lambda: {size: streamed.for_pairs(size) for size in sizes}))
     schedule = streamed.for_pairs(max(sizes))
-    summary = _streamed_summary(schedule) + (f" against the block plan's "
-                                             f"{plan.planned_ms:.2f} ms a pair")
-    if schedule.pair_ms >= plan.planned_ms:
+    if transfers is None:
+        summary = _streamed_summary(schedule) + (f" against the block plan's "
+                                                 f"{plan.planned_ms:.2f} ms a pair")
+        slower = schedule.pair_ms >= plan.planned_ms
+    else:
+        summary = _streamed_summary(schedule) + (
+            f": an SI block {schedule.block_ms:.2f} ms with the transfers against "
+            f"{plan_block_ms:.2f} ms in blocks")
+        slower = schedule.block_ms >= plan_block_ms
+    if slower:
         # e.g. one layer: nothing to stream, and one lane serialises what the block
         # plan's two strand lanes overlap
         return None, summary + ": not faster, SI blocks run in blocks"
@@ -534,18 +552,20 @@ def choose_for_transfers(parts: GPTParts, dags: dict, plan, costs, memory,
     """On a folded stage, the dp plan or the sequential pairing, whichever gives the shorter
     SI block with the pipeline's transfers of `transfer_ms` each (`planner.pipeline_
     transfers`: the dp plan may end both strands together, so both outputs wait for the
-    block's end): (the plan to run, the phrase for the plan line). Deterministic given the
-    costs, the bound and the transfer time (the same on every rank)."""
+    block's end): (the plan to run, the phrase for the plan line, its SI block's ms with
+    the transfers). Deterministic given the costs, the bound and the transfer time (the
+    same on every rank)."""
     sequential = make_plan(dags["fwd"], dags["bwd"], costs, pairer=SEQUENTIAL,
                            model=plan.fingerprint["model"], parallel=plan.fingerprint["parallel"],
                            command=plan.command, memory=memory)
     pairs = max(si_block_pairs(parts))
     dp_ms, seq_ms = (si_block_ms(p, pairs, transfer_ms) for p in (plan, sequential))
     chosen = sequential if seq_ms < dp_ms else plan
-    return chosen, (f"pipeline transfers of {transfer_ms:.2f} ms: an SI block of {pairs} layer "
-                    f"pairs {dp_ms:.2f} ms with the dp plan, {seq_ms:.2f} ms with the "
-                    f"sequential pairing (both outputs' transfers counted): runs the "
-                    f"{'sequential pairing' if chosen is sequential else 'dp plan'}")
+    phrase = (f"pipeline transfers of {transfer_ms:.2f} ms: an SI block of {pairs} layer "
+              f"pairs {dp_ms:.2f} ms with the dp plan, {seq_ms:.2f} ms with the "
+              f"sequential pairing (both outputs' transfers counted): runs the "
+              f"{'sequential pairing' if chosen is sequential else 'dp plan'}")
+    return chosen, phrase, min(dp_ms, seq_ms)
 
 
 def plan_seam(options: DHelixOptions, plan, dags, memory=None) -> Seam | None:
@@ -636,11 +656,14 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     memory = None if options.plan else _memory_bound(run, parts, bound, dags["fwd"],
                                                       dags["bwd"])
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
-    streamed, verdict = choose_streamed(run, parts, dags, plan, costs, memory)
-    if verdict:
+    transfers = None
+    if transfer_ms is not None:
+        plan, verdict, block_ms = choose_for_transfers(parts, dags, plan, costs, memory,
+                                                       transfer_ms)
         source += "; " + verdict
-    if transfer_ms is not None and streamed is None:
-        plan, verdict = choose_for_transfers(parts, dags, plan, costs, memory, transfer_ms)
+        transfers = (transfer_ms, block_ms)
+    streamed, verdict = choose_streamed(run, parts, dags, plan, costs, memory, transfers)
+    if verdict:
         source += "; " + verdict
     early, verdict = _early_embedding(run, parts, plan, memory, streamed)
     if verdict:

@@ -14,8 +14,10 @@ planner's simulation assumes.
 
 A strand moves to its next layer when the sequence reaches that layer's first operator: the
 finished layer's execution is ended (`StrandChain.close`, which hands its output on) and the
-next one begun with it (`StrandChain.open`); the chains end the last layers after the
-sequence. Guarantees: every layer's operators run in the strand order the sequence gives
+next one begun with it (`StrandChain.open`). A strand's last layer is ended as soon as the
+sequence has run its last operator and nothing of it is in flight (`on_strand_end` is told,
+so a pipeline stage can send that output while the other strand still runs); the chains end
+whatever is left after the sequence. Guarantees: every layer's operators run in the strand order the sequence gives
 (checked by the executions: an operator before its dependencies, one run twice or one never
 run is an error); tensors belong to their `LayerExecution`s, which free each value after its
 last reader; nothing is left in flight when `run_streamed` returns.
@@ -60,20 +62,36 @@ class StrandChain:
         return self.execution
 
     def finish(self) -> None:
-        """End the last layer's execution."""
+        """End the last layer's execution (once; later calls do nothing)."""
         if self.execution is not None and not self._closed:
             self.close(self.execution)
             self._closed = True
 
+    @property
+    def finished(self) -> bool:
+        return self._closed
+
+
+def _last_entries(sequence: Sequence) -> dict:
+    """strand -> index of its last entry in `sequence`."""
+    return {step.strand: index for index, step in enumerate(sequence)}
+
 
 def run_streamed(sequence: Sequence, chains: dict, timeline=None,
-                 before_step: Callable[[int], None] | None = None) -> None:
+                 before_step: Callable[[int], None] | None = None,
+                 on_strand_end: Callable[[str], None] | None = None) -> None:
     """Run `sequence` (`planner.streamed.StreamedStep`s) on `chains` ('fwd' and 'bwd' ->
-    `StrandChain`), then end both chains' last layers. `timeline` (a
-    `dhelix.runtime.timeline.Timeline`) records what the compute thread did; None records
-    nothing. `before_step(k)` (optional) is called before entry k runs, on every rank at
-    the same entry, in the caller's autograd mode (it may build a graph: the embedding)."""
+    `StrandChain`), ending each chain's last layer as soon as the sequence has run the
+    strand's last entry and the execution has nothing in flight (`ran_all`; checked after
+    every entry from then on) and calling `on_strand_end(strand)` then, on the calling
+    thread; the chains not ended by then are ended after the sequence, without the call.
+    `timeline` (a `dhelix.runtime.timeline.Timeline`) records what the compute thread did;
+    None records nothing. `before_step(k)` (optional) is called before entry k runs, on
+    every rank at the same entry, in the caller's autograd mode (it may build a graph: the
+    embedding)."""
     caller_grad = torch.is_grad_enabled()
+    last = _last_entries(sequence)
+    ending: list = []  # strands whose last entry has run, not ended yet
     with torch.no_grad():  # what every operator runs under (LayerExecution.run), set once
         for index, step in enumerate(sequence):
             if before_step is not None:
@@ -84,12 +102,21 @@ def run_streamed(sequence: Sequence, chains: dict, timeline=None,
             if program[step.op].kind == "comm":
                 with span_or_nothing(timeline, "issue", step.op):
                     execution.run(step.op)
+            else:
+                if timeline is not None and not execution.op_ready(step.op):
+                    with timeline.span("wait", step.op):
+                        execution.wait_inputs(step.op)
+                with span_or_nothing(timeline, "compute", step.op):
+                    execution.run(step.op)
+            if on_strand_end is None:
                 continue
-            if timeline is not None and not execution.op_ready(step.op):
-                with timeline.span("wait", step.op):
-                    execution.wait_inputs(step.op)
-            with span_or_nothing(timeline, "compute", step.op):
-                execution.run(step.op)
+            if index == last[step.strand]:
+                ending.append(step.strand)
+            for strand in list(ending):
+                if chains[strand].execution.ran_all():
+                    ending.remove(strand)
+                    chains[strand].finish()
+                    on_strand_end(strand)
     for chain in chains.values():
         chain.finish()
 

@@ -222,3 +222,49 @@ def test_the_forward_input_counts_from_the_first_forward_entry_and_starts_where_
                          input_bytes=6)  # -5 + 6 > 0 at bc too
     assert early_input_step(bounded.sequence, larger) == 2  # the first forward entry
     assert early_input_step((StreamedStep("fwd", 0, "f1"),), memory) == 0
+
+
+def test_transfers_hold_the_forward_back_and_count_the_exposure():
+    """A folded stage's pipeline transfers (25 ms each) on the hand case: both strands
+    started together leave a short head and tail (b1 0-10, bc 10-30, f1 10-20, fc 30-50,
+    b2 30-40, f2 50-60: the backward ends 20 ms early, the forward starts 10 ms in), 5 + 15
+    ms exposed, 80 ms a block like the strands one after the other. Holding the forward
+    back 25 ms (b1 0-10, bc 10-30, f1 25-35, fc 35-55, b2 35-45, f2 55-65) leaves a tail
+    of 20 and a head of 25: 65 + 5 = 70 ms. Without transfers the search is unchanged."""
+    fwd, bwd = _chain("fwd", "f"), _chain("bwd", "b")
+    costs = _costs(fwd, bwd, 1.0)
+    plain = plan_streamed(fwd, bwd, costs, pairs=1)
+    assert (plain.transfer_ms, plain.fwd_hold_ms, plain.exposed_ms) == (None, 0.0, 0.0)
+    assert plain.block_ms == plain.total_ms == pytest.approx(60.0)
+    held = plan_streamed(fwd, bwd, costs, pairs=1, transfer_ms=25.0)
+    assert held.fwd_hold_ms == 25.0 and held.lane_pattern == ("bwd", "fwd")
+    assert held.total_ms == pytest.approx(65.0) and held.exposed_ms == pytest.approx(5.0)
+    assert held.block_ms == pytest.approx(70.0)
+    assert [(s.strand, s.op) for s in held.sequence] == [
+        ("bwd", "b1"), ("bwd", "bc"), ("fwd", "f1"), ("fwd", "fc"), ("bwd", "b2"),
+        ("fwd", "f2")]
+    assert held.searched == 2 * plain.searched
+    with pytest.raises(ValueError, match="transfer time"):
+        plan_streamed(fwd, bwd, costs, pairs=1, transfer_ms=-1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_counting_transfers_never_gives_a_longer_block(seed):
+    """On random DAGs, the schedule searched with the transfers counted is no longer an SI
+    block, transfers' exposure included, than the one searched without them."""
+    from planner.pipeline_transfers import strands_exposure
+    from planner.streamed import _Model, _simulate
+
+    rng = random.Random(300 + seed)
+    fwd, bwd = random_dag(rng, "fwd", 6), random_dag(rng, "bwd", 7)
+    costs = build_cost_model(fwd, bwd, random_profile(rng, fwd, bwd))
+    plain = plan_streamed(fwd, bwd, costs, 2, max_orders=8)
+    transfer = 0.3 * plain.total_ms / 2
+    run = _simulate(_Model(fwd, bwd, costs), plain.fwd_order, plain.bwd_order,
+                    plain.lane_pattern, 2, None, steer=False)
+    assert run.ms == pytest.approx(plain.total_ms)
+    plain_block = run.ms + strands_exposure(run.ms, run.starts, run.ends,
+                                            transfer).exposed_ms
+    counted = plan_streamed(fwd, bwd, costs, 2, max_orders=8, transfer_ms=transfer,
+                            shortlist=10 ** 6)
+    assert counted.block_ms <= plain_block + 1e-9
