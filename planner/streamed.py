@@ -90,7 +90,8 @@ class StreamedSchedule:
     (`early_input_step`; 0 without a bound). With pipeline transfers (`transfer_ms`): the
     time the forward strand was held back in the simulation (`fwd_hold_ms`) and the
     transfers' exposure (`exposed_ms`; `block_ms` adds it to the simulated time), and
-    `unbounded_ms` includes that exposure too."""
+    `unbounded_ms` includes that exposure too. `first_strand`: the strand the sequence
+    ends first in the simulation (on a pipeline stage its output leaves first)."""
 
     fwd_order: tuple
     bwd_order: tuple
@@ -107,6 +108,7 @@ class StreamedSchedule:
     transfer_ms: float | None = None
     fwd_hold_ms: float = 0.0
     exposed_ms: float = 0.0
+    first_strand: str = BWD
 
     @property
     def block_ms(self) -> float:
@@ -378,15 +380,16 @@ class _Outcome(NamedTuple):
     peak: float
     hold: float
     exposed: float
+    first_strand: str
     free_ms: float
     free_peak: float
 
 
-def _exposed(run: _Run, transfer_ms: float | None) -> float:
-    """The pipeline transfers' exposure of `run` (0 without transfers)."""
-    if transfer_ms is None:
-        return 0.0
-    return strands_exposure(run.ms, run.starts, run.ends, transfer_ms).exposed_ms
+def _exposure(run: _Run, transfer_ms: float | None) -> tuple[float, str]:
+    """The pipeline transfers' exposure of `run` (0 without transfers) and the strand it
+    ends first."""
+    exposure = strands_exposure(run.ms, run.starts, run.ends, transfer_ms or 0.0)
+    return (exposure.exposed_ms if transfer_ms is not None else 0.0), exposure.first_strand
 
 
 def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound | None,
@@ -408,12 +411,12 @@ def _evaluate(model: _Model, candidate: tuple, pairs: int, memory: MemoryBound |
                                      fwd_hold=hold))
         count += len(runs)
         for run in runs:
-            exposed = _exposed(run, transfer_ms)
+            exposed, first = _exposure(run, transfer_ms)
             block = run.ms + exposed
             key = (0, block) if budget is None or run.peak <= budget else (1, run.peak)
             if best is None or key < best[0]:
-                best = (key, run.ms, run.sequence, run.peak, hold, exposed)
-        free_block = free.ms + _exposed(free, transfer_ms)
+                best = (key, run.ms, run.sequence, run.peak, hold, exposed, first)
+        free_block = free.ms + _exposure(free, transfer_ms)[0]
         if fastest_free is None or free_block < fastest_free[0]:
             fastest_free = (free_block, free.peak)
     return _Outcome(*best, free_ms=fastest_free[0], free_peak=fastest_free[1]), count
@@ -486,7 +489,7 @@ def plan_streamed(fwd: OpDAG, bwd: OpDAG, costs: CostModel, pairs: int,
                             input_step=(early_input_step(_steps(best.sequence), memory)
                                         if bounded else 0),
                             transfer_ms=transfer_ms, fwd_hold_ms=best.hold,
-                            exposed_ms=best.exposed)
+                            exposed_ms=best.exposed, first_strand=best.first_strand)
 
 
 class StreamedPlanner:

@@ -52,6 +52,7 @@ from dhelix.runtime.lanes import LanePool, check_cuda_device_max_connections, la
 from dhelix.runtime.layer_runner import LayerRunner
 from dhelix.runtime.operator_passes import OperatorPasses
 from dhelix.runtime.transfer_probe import measure_transfer_ms
+from dhelix.schedules.actions import BACKWARD, FORWARD
 from dhelix.schedules.runner import ScheduleEngine, pipeline_dtype, pipeline_shape
 from dhelix.schedules.sequential import build_no_pipelining_schedule
 from dhelix.schedules.si_schedule import build_si_schedule
@@ -64,7 +65,7 @@ from planner.build import make_plan
 from planner.costs import build_cost_model, pair_source_counts
 from planner.memory import (MIB, early_input_block, layer_activation_bytes, make_bound,
                             seam_peak)
-from planner.pipeline_transfers import si_block_ms
+from planner.pipeline_transfers import si_block_ms, transfer_exposure
 from planner.streamed import StreamedPlanner
 from planner.plan import PlanMismatch, load_checked_plan, save_plan
 from dhelix.file_formats import REGENERATE
@@ -568,6 +569,21 @@ def choose_for_transfers(parts: GPTParts, dags: dict, plan, costs, memory,
     return chosen, phrase, min(dp_ms, seq_ms)
 
 
+def _early_direction(parts: GPTParts, plan, streamed, pipelined: bool) -> str | None:
+    """On a pipeline stage, the direction of the SI block output the stage's plan ends
+    first (`StageExecutor.early_direction`: only its receives are posted ahead of an SI
+    block): the streamed sequence's first strand, else the block plan's (which strand ends
+    first does not depend on the transfer time: `transfer_exposure` of 0 ms). None without
+    pipelining."""
+    if not pipelined:
+        return None
+    if streamed is not None:
+        strand = streamed.for_pairs(max(si_block_pairs(parts))).first_strand
+    else:
+        strand = transfer_exposure(plan, 0.0).first_strand
+    return FORWARD if strand == "fwd" else BACKWARD
+
+
 def plan_seam(options: DHelixOptions, plan, dags, memory=None) -> Seam | None:
     """Where consecutive layer pairs of an SI block overlap (`planner.blocks.layer_seam`),
     or None: with `--dhelix-no-layer-seams`, for a plan of the sequential pairer (the
@@ -679,6 +695,7 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
                             OperatorPasses(parts, runner, loss_at_forward=pipelined,
                                            defer_embedding_reduce=(
                                                options.defers_embedding_reduce)),
-                            transfer_groups=transfer_groups)
+                            transfer_groups=transfer_groups,
+                            early_direction=_early_direction(parts, plan, streamed, pipelined))
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
                        engine=engine, timing_only=timing_only, costs=costs)

@@ -77,7 +77,8 @@ import torch
 import torch.distributed as dist
 
 from dhelix.arriving import Arriving
-from dhelix.schedules.actions import BACKWARD, FORWARD, Action, Pass, Schedule, TensorRef
+from dhelix.schedules.actions import (BACKWARD, COMPUTE_KINDS, FORWARD, Action, Pass, Schedule,
+                                      TensorRef)
 from dhelix.schedules.sends_in_flight import SendsInFlight
 from dhelix.schedules.transfer_groups import TransferGroups
 from dhelix.schedules.validate import validate
@@ -90,6 +91,12 @@ def validate_once(schedule: Schedule) -> None:
     if _VALIDATED.get(id(schedule)) is not schedule:
         validate(schedule)
         _VALIDATED[id(schedule)] = schedule
+
+
+def _feeds_si(actions, index: int) -> bool:
+    """Whether the first computation (F, B or SI) after `actions[index]` is an SI block."""
+    following = next((a for a in actions[index + 1:] if a.kind in COMPUTE_KINDS), None)
+    return following is not None and following.kind == "SI"
 
 
 @dataclass
@@ -170,6 +177,12 @@ class StageExecutor:
         travel (`dhelix.schedules.transfer_groups.TransferGroups`, e.g.
         `dhelix.runtime.lanes.pipeline_transfer_groups`); None: the default group carries
         everything.
+    early_direction: the direction (FORWARD or BACKWARD) of the SI block output the peer
+        sends first (the output of the strand its plan ends first); a RECV then posts ahead
+        only that direction's receives of a following RECV that feeds an SI block (the
+        other output leaves at the peer's block end, about when this rank's own RECV
+        posts its receive, so a buffer posted a block early would only hold memory).
+        None: every receive of the following RECV is posted ahead.
     """
 
     def __init__(self, schedule: Schedule, stage: int, *, passes,
@@ -177,7 +190,11 @@ class StageExecutor:
                  dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int],
                  grad_scale_func: Callable | None = None, context_parallel_size: int = 1,
                  loss_is_scaled: bool = False, no_sync: Callable | None = None,
-                 transfer_groups: TransferGroups | None = None):
+                 transfer_groups: TransferGroups | None = None,
+                 early_direction: str | None = None):
+        if early_direction not in (None, FORWARD, BACKWARD):
+            raise ValueError(f"early_direction is {FORWARD!r}, {BACKWARD!r} or None, got "
+                             f"{early_direction!r}")
         self.schedule = schedule
         self.stage = stage
         self.path = schedule.path
@@ -213,6 +230,9 @@ class StageExecutor:
         self._receiving: dict = {}  # TensorRef -> Arriving posted ahead of its RECV
         recvs = [a for a in self.actions if a.kind == "RECV"]
         self._next_recv = {id(a): b for a, b in zip(recvs, recvs[1:])}  # RECV -> the next
+        self.early_direction = early_direction
+        self._feeds_si = {id(a): _feeds_si(self.actions, i)
+                          for i, a in enumerate(self.actions) if a.kind == "RECV"}
         self.losses: list = []      # loss_func infos, in micro-batch order of the loss hop
 
     def run(self) -> list:
@@ -300,7 +320,8 @@ class StageExecutor:
             following = self._next_recv.get(id(action))
             if following is not None:  # its receives, posted now, land during what follows
                 for ref in following.tensors:
-                    self._receiving[ref] = self._post_receive(following, ref)
+                    if self._posts_ahead(following, ref):
+                        self._receiving[ref] = self._post_receive(following, ref)
             for ref, arriving in posted:
                 self._ready[ref] = arriving if self.arriving else arriving.landed()
         elif action.kind == "F":
@@ -319,6 +340,11 @@ class StageExecutor:
                     forward, backward, produced=self._early_sender(action, upcoming_send))
             self._forward_done(action.forward, state, out)
             self._backward_done(action.backward, grad)
+
+    def _posts_ahead(self, recv: Action, ref: TensorRef) -> bool:
+        """Whether `ref` of the RECV `recv` is posted a RECV ahead (`early_direction`)."""
+        return (self.early_direction is None or not self._feeds_si[id(recv)]
+                or ref.direction == self.early_direction)
 
     def _post_receive(self, action: Action, ref: TensorRef) -> Arriving:
         """An `irecv` of `ref` from `action`'s peer into a new buffer on the device."""

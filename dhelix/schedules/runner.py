@@ -164,14 +164,17 @@ class ScheduleEngine:
     as Megatron's training loop expects (else on the stage that computes them).
     `transfer_groups`: the groups the pipeline's transfers travel on (`StageExecutor`,
     `dhelix.schedules.transfer_groups`; None: the default group carries everything).
+    `early_direction`: the SI block output its peer sends first, whose receives alone are
+    posted ahead of an SI block (`StageExecutor`; None: all).
     `last_step` is what the last call ran (`ExecutedStep`)."""
 
     def __init__(self, build_schedule: Callable[[int, int], Schedule], passes=None,
                  data_args=None, losses_to_last_stage: bool = False,
-                 transfer_groups=None):
+                 transfer_groups=None, early_direction: str | None = None):
         self.build_schedule = build_schedule
         self.passes = passes
         self.transfer_groups = transfer_groups
+        self.early_direction = early_direction
         self.data_args = data_args
         self.losses_to_last_stage = losses_to_last_stage
         self.last_step: ExecutedStep | None = None
@@ -183,7 +186,8 @@ class ScheduleEngine:
         view, loss dicts on the last stage."""
         return ScheduleEngine(self.build_schedule, self.passes, data_args=args,
                               losses_to_last_stage=True,
-                              transfer_groups=self.transfer_groups)
+                              transfer_groups=self.transfer_groups,
+                              early_direction=self.early_direction)
 
     def schedule(self, pp: int, num_microbatches: int, forward_only: bool) -> Schedule:
         """The training schedule, or its path's forward-only schedule (built once each)."""
@@ -244,7 +248,7 @@ class ScheduleEngine:
             peer_rank=lambda s: dist.get_global_rank(pp_group, s),
             grad_scale_func=config.grad_scale_func,
             context_parallel_size=loss.cp, no_sync=config.no_sync_func,
-            transfer_groups=self.transfer_groups)
+            transfer_groups=self.transfer_groups, early_direction=self.early_direction)
         with _without_timers(config), torch.no_grad() if forward_only \
                 else contextlib.nullcontext():
             if not forward_only:

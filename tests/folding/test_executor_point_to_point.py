@@ -112,7 +112,8 @@ def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
     return Toy()
 
 
-def _run(ctx, store, tag, engine: str, transfer_groups, land_ahead=False):
+def _run(ctx, store, tag, engine: str, transfer_groups, land_ahead=False,
+         early_direction=None):
     import torch
     import torch.distributed as dist
 
@@ -137,7 +138,8 @@ def _run(ctx, store, tag, engine: str, transfer_groups, land_ahead=False):
         loss_func=lambda batch, out: (out.square().mean(),
                                       {"loss": out.square().mean().detach()}),
         next_batch=lambda: next(batches), tensor_shape=SHAPE, dtype=torch.float32,
-        device=cpu, peer_rank=lambda s: s, transfer_groups=transfer_groups)
+        device=cpu, peer_rank=lambda s: s, transfer_groups=transfer_groups,
+        early_direction=early_direction)
     box.append(executor)
     losses = [float(d["loss"]) for d in executor.run()]
     dist.barrier()
@@ -211,6 +213,8 @@ def _variants(ctx):
         "backward_first_one_channel": _run(ctx, store, "b1", "B", None),
         "backward_first_two_channels": _run(ctx, store, "b2", "B", four),
         "landed_ahead": _run(ctx, store, "la", "B", four, land_ahead=True),
+        "gradients_ahead": _run(ctx, store, "ga", "B", four, land_ahead=True,
+                                early_direction="B"),
     }
 
 
@@ -227,7 +231,7 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
     for stage, runs in enumerate(results):
         plain = runs["plain"]
         for name in ("forward_first", "backward_first_one_channel",
-                     "backward_first_two_channels", "landed_ahead"):
+                     "backward_first_two_channels", "landed_ahead", "gradients_ahead"):
             assert runs[name]["losses"] == plain["losses"], (stage, name)
             for got, want in zip(runs[name]["grads"], plain["grads"]):
                 assert torch.equal(got, want), (stage, name)
@@ -246,12 +250,23 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
     # them, every tensor of the RECV after the one before the block
     assert results[1]["landed_ahead"]["landed_ahead"] == _posted_ahead_at_si_blocks(1)
     assert results[0]["landed_ahead"]["landed_ahead"] == []
+    # with the gradient the peer's plan sends first (`early_direction`), a RECV that feeds
+    # an SI block has only its gradients posted ahead; the others' whole payload still is
+    gradients = results[1]["gradients_ahead"]["landed_ahead"]
+    assert gradients == _posted_ahead_at_si_blocks(1, early_direction="B")
+    assert gradients and set(gradients) < set(_posted_ahead_at_si_blocks(1))
 
 
-def _posted_ahead_at_si_blocks(stage: int) -> list:
+def _posted_ahead_at_si_blocks(stage: int, early_direction=None) -> list:
     """Labels of the tensors of each RECV that follows the last RECV before an SI block of
-    `stage`'s W list (p = 2, m = M): what its executor has posted ahead during the block."""
+    `stage`'s W list (p = 2, m = M): what its executor has posted ahead during the block;
+    with `early_direction`, of a following RECV that feeds an SI block only the tensors of
+    that direction."""
+    from dhelix.schedules.actions import COMPUTE_KINDS
     from dhelix.schedules.w_schedule import build_w_schedule
+
+    def feeds_si(index):
+        return next(a for a in actions[index + 1:] if a.kind in COMPUTE_KINDS).kind == "SI"
 
     actions = build_w_schedule(2, M).ranks[stage]
     recvs = [i for i, a in enumerate(actions) if a.kind == "RECV"]
@@ -260,5 +275,7 @@ def _posted_ahead_at_si_blocks(stage: int) -> list:
         before = [r for r in recvs if r < i]
         after = [r for r in recvs if r > (before[-1] if before else len(actions))]
         if action.kind == "SI" and before and after:
-            labels.update(ref.label() for ref in actions[after[0]].tensors)
+            labels.update(ref.label() for ref in actions[after[0]].tensors
+                          if early_direction is None or not feeds_si(after[0])
+                          or ref.direction == early_direction)
     return sorted(labels)
