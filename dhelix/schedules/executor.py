@@ -179,10 +179,12 @@ class StageExecutor:
         everything.
     early_direction: the direction (FORWARD or BACKWARD) of the SI block output the peer
         sends first (the output of the strand its plan ends first); a RECV then posts ahead
-        only that direction's receives of a following RECV that feeds an SI block (the
-        other output leaves at the peer's block end, about when this rank's own RECV
-        posts its receive, so a buffer posted a block early would only hold memory).
-        None: every receive of the following RECV is posted ahead.
+        only that direction's receives of a following RECV that feeds an SI block, and the
+        others once this rank's own SI block has reported its output of that direction
+        (the same plan: its first strand has ended and freed what it held), in time for
+        the peer's other output, which leaves at the peer's block end; a buffer posted a
+        whole block early held memory at the block's peak. None: every receive of the
+        following RECV is posted ahead.
     """
 
     def __init__(self, schedule: Schedule, stage: int, *, passes,
@@ -228,6 +230,7 @@ class StageExecutor:
         self._sends = SendsInFlight()  # isends not seen complete, with their tensors
         self._sent_early: set = set()  # TensorRefs of the next SEND already sent
         self._receiving: dict = {}  # TensorRef -> Arriving posted ahead of its RECV
+        self._deferred: list = []  # (RECV, TensorRef) of the next RECV not posted ahead yet
         recvs = [a for a in self.actions if a.kind == "RECV"]
         self._next_recv = {id(a): b for a, b in zip(recvs, recvs[1:])}  # RECV -> the next
         self.early_direction = early_direction
@@ -287,6 +290,8 @@ class StageExecutor:
         held: dict = {}
 
         def produced(direction: str, tensor: torch.Tensor) -> None:
+            if direction == self.early_direction:
+                self._post_deferred()
             ref = TensorRef(passes[direction].microbatch, direction, passes[direction].hop)
             if ref not in send.tensors or ref in self._sent_early:
                 return
@@ -315,6 +320,7 @@ class StageExecutor:
                 raise RuntimeError(f"stage {self.stage}: sent early but not in the SEND that "
                                    f"followed: {sorted(r.label() for r in self._sent_early)}")
         elif action.kind == "RECV":
+            self._deferred = []  # posted below if still pending
             posted = [(ref, self._receiving.pop(ref, None) or self._post_receive(action, ref))
                       for ref in action.tensors]
             following = self._next_recv.get(id(action))
@@ -322,6 +328,8 @@ class StageExecutor:
                 for ref in following.tensors:
                     if self._posts_ahead(following, ref):
                         self._receiving[ref] = self._post_receive(following, ref)
+                    else:
+                        self._deferred.append((following, ref))
             for ref, arriving in posted:
                 self._ready[ref] = arriving if self.arriving else arriving.landed()
         elif action.kind == "F":
@@ -340,6 +348,12 @@ class StageExecutor:
                     forward, backward, produced=self._early_sender(action, upcoming_send))
             self._forward_done(action.forward, state, out)
             self._backward_done(action.backward, grad)
+
+    def _post_deferred(self) -> None:
+        """Post the next RECV's receives held back by `early_direction`."""
+        for recv, ref in self._deferred:
+            self._receiving[ref] = self._post_receive(recv, ref)
+        self._deferred = []
 
     def _posts_ahead(self, recv: Action, ref: TensorRef) -> bool:
         """Whether `ref` of the RECV `recv` is posted a RECV ahead (`early_direction`)."""

@@ -39,7 +39,8 @@ def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
     docstring describes. `executor_box[0]`: the executor (to see what it sent early).
     With `land_ahead`, stage 0 does not wait for its peer and stage 1 ends each SI block by
     waiting for every receive its executor posted ahead of their RECV (`landed_ahead`: the
-    tensors that landed so)."""
+    tensors that landed so); `posted_at_gradient`: what the executor had posted ahead when
+    an SI block reported its gradient."""
     import time
 
     from dhelix.arriving import Arriving, landed
@@ -57,6 +58,7 @@ def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
             super().__init__(chunk)
             self.early = []  # (kind, sent at once) per reported output bound for the peer
             self.landed_ahead = set()
+            self.posted_at_gradient = set()
 
         def forward(self, work):
             work.inp = landed(work.inp)
@@ -73,6 +75,8 @@ def _toy_engine(executor_box, store, tag, first, weights, land_ahead=False):
 
         def _report(self, kind, tensor, produced):
             executor = executor_box[0]
+            if kind == "B":
+                self.posted_at_gradient.update(ref.label() for ref in executor._receiving)
             before = len(executor._sent_early)
             produced(kind, tensor)
             if len(executor._sent_early) > before:
@@ -145,7 +149,8 @@ def _run(ctx, store, tag, engine: str, transfer_groups, land_ahead=False,
     dist.barrier()
     return {"losses": losses, "grads": [w.grad.clone() for w in weights],
             "early": getattr(passes, "early", None),
-            "landed_ahead": sorted(getattr(passes, "landed_ahead", ()))}
+            "landed_ahead": sorted(getattr(passes, "landed_ahead", ())),
+            "posted_at_gradient": sorted(getattr(passes, "posted_at_gradient", ()))}
 
 
 def _sends_released(ctx) -> dict:
@@ -251,10 +256,12 @@ def test_early_sends_arriving_receives_and_the_gradient_channel():
     assert results[1]["landed_ahead"]["landed_ahead"] == _posted_ahead_at_si_blocks(1)
     assert results[0]["landed_ahead"]["landed_ahead"] == []
     # with the gradient the peer's plan sends first (`early_direction`), a RECV that feeds
-    # an SI block has only its gradients posted ahead; the others' whole payload still is
-    gradients = results[1]["gradients_ahead"]["landed_ahead"]
-    assert gradients == _posted_ahead_at_si_blocks(1, early_direction="B")
-    assert gradients and set(gradients) < set(_posted_ahead_at_si_blocks(1))
+    # an SI block has only its gradients posted ahead until the block reported its own
+    # gradient (the others' whole payload at once); by the block's end everything is
+    early = results[1]["gradients_ahead"]
+    assert early["posted_at_gradient"] == _posted_ahead_at_si_blocks(1, early_direction="B")
+    assert set(early["posted_at_gradient"]) < set(_posted_ahead_at_si_blocks(1))
+    assert early["landed_ahead"] == _posted_ahead_at_si_blocks(1)
 
 
 def _posted_ahead_at_si_blocks(stage: int, early_direction=None) -> list:
