@@ -571,10 +571,10 @@ def choose_for_transfers(parts: GPTParts, dags: dict, plan, costs, memory,
 
 def _early_direction(parts: GPTParts, plan, streamed, pipelined: bool) -> str | None:
     """On a pipeline stage, the direction of the SI block output the stage's plan ends
-    first (`StageExecutor.early_direction`: only its receives are posted ahead of an SI
-    block): the streamed sequence's first strand, else the block plan's (which strand ends
-    first does not depend on the transfer time: `transfer_exposure` of 0 ms). None without
-    pipelining."""
+    first (`StageExecutor.early_direction`: only its receives are posted a whole SI block
+    ahead, the others once the block's first strand has ended): the streamed sequence's
+    first strand, else the block plan's (which strand ends first does not depend on the
+    transfer time: `transfer_exposure` of 0 ms). None without pipelining."""
     if not pipelined:
         return None
     if streamed is not None:
