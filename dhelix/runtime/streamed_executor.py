@@ -17,10 +17,11 @@ finished layer's execution is ended (`StrandChain.close`, which hands its output
 next one begun with it (`StrandChain.open`). A strand's last layer is ended as soon as the
 sequence has run its last operator and nothing of it is in flight (`on_strand_end` is told,
 so a pipeline stage can send that output while the other strand still runs); the chains end
-whatever is left after the sequence. Guarantees: every layer's operators run in the strand order the sequence gives
-(checked by the executions: an operator before its dependencies, one run twice or one never
-run is an error); tensors belong to their `LayerExecution`s, which free each value after its
-last reader; nothing is left in flight when `run_streamed` returns.
+whatever is left after the sequence. Guarantees: every layer's operators run in the strand
+order the sequence gives (checked by the executions: an operator before its dependencies,
+one run twice or one never run is an error); tensors belong to their `LayerExecution`s,
+which free each value after its last reader; nothing is left in flight when
+`run_streamed` returns.
 """
 
 from __future__ import annotations
@@ -66,10 +67,6 @@ class StrandChain:
         if self.execution is not None and not self._closed:
             self.close(self.execution)
             self._closed = True
-
-    @property
-    def finished(self) -> bool:
-        return self._closed
 
 
 def _last_entries(sequence: Sequence) -> dict:

@@ -165,7 +165,8 @@ class ScheduleEngine:
     `transfer_groups`: the groups the pipeline's transfers travel on (`StageExecutor`,
     `dhelix.schedules.transfer_groups`; None: the default group carries everything).
     `early_direction`: the SI block output its peer sends first, whose receives alone are
-    posted ahead of an SI block (`StageExecutor`; None: all).
+    posted a whole SI block ahead, the others once the block's first strand has ended
+    (`StageExecutor`; None: all a block ahead).
     `last_step` is what the last call ran (`ExecutedStep`)."""
 
     def __init__(self, build_schedule: Callable[[int, int], Schedule], passes=None,
