@@ -19,6 +19,13 @@ def _non_negative_mib(text: str) -> float:
     return value
 
 
+def _non_negative_ms(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of ms >= 0, got {text!r}")
+    return value
+
+
 def _off_switch(group, flag: str, dest: str, help_text: str) -> None:
     """A `--dhelix-no-X` flag: `dest` is True unless the flag is given."""
     group.add_argument(flag, dest=dest, action="store_false", default=True, help=help_text)
@@ -85,6 +92,13 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
     _off_switch(g, "--dhelix-no-memory-bound", "dhelix_memory_bound",
                 "plan without the memory bound: the fastest plan, which may hold up "
                 "to one more layer's activations than Megatron")
+    g.add_argument("--dhelix-pipeline-transfer-ms", type=_non_negative_ms, default=None,
+                   metavar="MS",
+                   help="with --pipeline-model-parallel-size > 1 and the dp plan built at "
+                        "start-up: one activation's transfer between neighbouring stages "
+                        "takes MS ms, for the start-up choice between the dp plan, the "
+                        "sequential pairing and streamed SI blocks (reproducible plans); "
+                        "default: timed at start-up (docs/runtime.md)")
     g.add_argument("--dhelix-attention", choices=ATTENTION_CHOICES, default="megatron",
                    help="core attention of the local layer spec (default megatron): megatron "
                         "is megatron-core's unfused DotProductAttention, sdpa torch's "

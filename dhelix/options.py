@@ -73,6 +73,10 @@ class DHelixOptions:
     # this; None: AUTO_MEMORY_MARGIN of the stage's layers' saved activations and, without
     # pipelining, of the loss part's peak
     memory_margin_mib: float | None = None
+    # --dhelix-pipeline-transfer-ms MS: one pipeline transfer's time for the start-up
+    # planning of a folded stage (dhelix.runtime.setup.choose_for_transfers and
+    # choose_streamed); None: timed at start-up (dhelix.runtime.transfer_probe)
+    pipeline_transfer_ms: float | None = None
     attention: str = "megatron"  # --dhelix-attention: megatron | sdpa
     commfree_timing_only: bool = False  # --dhelix-commfree-timing-only (benchmark bound)
 
@@ -90,6 +94,8 @@ class DHelixOptions:
                    memory_bound=bool(args.dhelix_memory_bound),
                    memory_margin_mib=(None if args.dhelix_memory_margin is None
                                       else float(args.dhelix_memory_margin)),
+                   pipeline_transfer_ms=(None if args.dhelix_pipeline_transfer_ms is None
+                                         else float(args.dhelix_pipeline_transfer_ms)),
                    commfree_timing_only=bool(args.dhelix_commfree_timing_only))
 
     @property
@@ -206,7 +212,9 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
     for option, value in (("--dhelix-plan", options.plan), ("--dhelix-profile", options.profile),
                           ("--dhelix-save-plan", options.save_plan),
                           ("--dhelix-commfree-timing-only", options.commfree_timing_only),
-                          ("--dhelix-streamed", options.streamed is True)):
+                          ("--dhelix-streamed", options.streamed is True),
+                          ("--dhelix-pipeline-transfer-ms",
+                           options.pipeline_transfer_ms is not None)):
         yield (bool(value) and not options.enabled, f"{option} needs --dhelix")
     if not options.enabled:
         return
@@ -229,6 +237,12 @@ def _rules(options: DHelixOptions, model: ModelShape, parallel: ParallelLayout):
     yield (bool(options.plan and options.save_plan),
            "--dhelix-save-plan writes the plan built at start-up, and --dhelix-plan gives "
            "one: drop --dhelix-save-plan (the plan is that file)")
+    if options.pipeline_transfer_ms is not None:
+        yield (pp == 1, "--dhelix-pipeline-transfer-ms times the transfers between pipeline "
+                        "stages: drop it with --pipeline-model-parallel-size 1")
+        yield (options.pairer != "dp" or bool(options.plan),
+               "--dhelix-pipeline-transfer-ms serves the dp plan built at start-up: drop it "
+               "with --dhelix-plan or a --dhelix-pairer other than dp")
     yield (options.streamed is True and options.pairer != "dp",
            f"--dhelix-streamed plans its own operator sequence from the profile: use it with "
            f"--dhelix-pairer dp (got {options.pairer})")
@@ -238,8 +252,9 @@ def check_run(options: DHelixOptions, model: ModelShape, parallel: ParallelLayou
     """Raise `OptionError` for the first rule the run breaks: `--dhelix-plan`,
     `--dhelix-profile` and `--dhelix-commfree-timing-only` need `--dhelix`; with `--dhelix`:
     dropout 0, with PP > 1 a layer count that folds (a multiple of 2 x PP), and the Domino
-    split only with PP 1, an even micro-batch and no plan/profile. Warns (does not refuse)
-    when one micro-batch leaves nothing to pair."""
+    split only with PP 1, an even micro-batch and no plan/profile,
+    `--dhelix-pipeline-transfer-ms` only with PP > 1 and the dp plan built at start-up.
+    Warns (does not refuse) when one micro-batch leaves nothing to pair."""
     for refused, message in _rules(options, model, parallel):
         if refused:
             raise OptionError(message)

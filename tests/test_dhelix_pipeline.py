@@ -27,10 +27,13 @@ STEPS = 3
 
 CASES_4 = {
     # RoPE, TP without SP: the folded stage 0's embedding all-reduce travels
-    # streamed SI blocks (forced): each strand's output leaves as soon as the strand ends
+    # streamed SI blocks (forced): each strand's output leaves as soon as the strand ends;
+    # the transfer time is given, not timed, so every stage's choice is the same on any
+    # machine load (with it, each stage's streamed SI block is predicted the shorter)
     "tp2pp2_m4_dp": dict(tp=2, pp=2, pairer="dp", streamed=True,
                          extra=["--num-layers", "8", "--position-embedding-type", "rope"],
-                         dhelix_extra=["--dhelix-streamed"]),
+                         dhelix_extra=["--dhelix-streamed",
+                                       "--dhelix-pipeline-transfer-ms", "1"]),
     "tp2pp2_sp_m3_round_robin": dict(tp=2, pp=2, sp=True, pairer="round_robin",
                                      extra=["--num-layers", "4", "--global-batch-size", "6"]),
     # (the Llama-style TP2xPP2+SP case runs inside megatron.training.pretrain:

@@ -127,6 +127,34 @@ def test_dhelix_rules_checked_on_the_validated_run(name, monkeypatch):
     assert current_run().options.enabled is False
 
 
+@pytest.mark.parametrize("extra, named", [
+    (["--dhelix"], "with --pipeline-model-parallel-size 1"),
+    (["--dhelix"] + PP2 + ["--dhelix-pairer", "sequential"], "other than dp"),
+    (PP2, "--dhelix-pipeline-transfer-ms needs --dhelix"),
+    (["--dhelix"] + PP2 + ["--dhelix-pipeline-transfer-ms", "-1"], "number of ms >= 0")])
+def test_pipeline_transfer_time_only_where_the_start_up_plan_uses_it(monkeypatch, extra,
+                                                                     named):
+    """`--dhelix-pipeline-transfer-ms` (the start-up planning's transfer time instead of the
+    probe's) is refused in one line where nothing would read it: without pipelining, with a
+    pairer other than dp, without --dhelix; a negative time at parse time. With PP=2 and the
+    dp pairer it is taken."""
+    from megatron_patches.run_options import current_run
+
+    monkeypatch.delenv("DHELIX_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = TINY + ["--train-iters", "1", "--num-layers", "4"]
+    if "--dhelix-pipeline-transfer-ms" not in extra:
+        extra = extra + ["--dhelix-pipeline-transfer-ms", "2.5"]
+    code, err = _parse(argv + extra, validate=True)
+    lines = err.strip().splitlines()
+    assert code == 2 and named in lines[-1], err
+    code, err = _parse(argv + PP2 + ["--dhelix", "--dhelix-pipeline-transfer-ms", "2.5"],
+                       validate=True)
+    assert code is None, err
+    assert current_run().options.pipeline_transfer_ms == 2.5
+
+
 @pytest.mark.parametrize("parallel", [[], ["--tensor-model-parallel-size", "2",
                                           "--sequence-parallel",
                                           "--expert-tensor-parallel-size", "1"], PP2])

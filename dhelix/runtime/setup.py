@@ -530,15 +530,18 @@ def choose_streamed(run: DHelixRun, parts: GPTParts, dags: dict, plan, costs, me
 
 
 def _transfer_ms(run: DHelixRun, parts: GPTParts, transfer_groups) -> float | None:
-    """One pipeline transfer's time on this cluster (`transfer_probe.measure_transfer_ms`),
-    where `choose_for_transfers` will use it: on a folded stage (`transfer_groups`) whose dp
-    plan is built at start-up (no `--dhelix-plan` file; not the baselines' pairers); else
-    None. Decided from the run's options alone, the same on every rank, since the probe is
-    collective over the world (a rank holding a mixed dense/MoE stack probes too and does
-    not use it)."""
+    """One pipeline transfer's time on this cluster, where `choose_for_transfers` will use
+    it: on a folded stage (`transfer_groups`) whose dp plan is built at start-up (no
+    `--dhelix-plan` file; not the baselines' pairers); else None. `--dhelix-pipeline-
+    transfer-ms` where given, else timed (`transfer_probe.measure_transfer_ms`). Decided
+    from the run's options alone, the same on every rank, since the probe is collective
+    over the world (a rank holding a mixed dense/MoE stack probes too and does not use
+    it)."""
     options = run.options
     if transfer_groups is None or options.pairer != "dp" or options.plan:
         return None
+    if options.pipeline_transfer_ms is not None:
+        return options.pipeline_transfer_ms
     from megatron.core import parallel_state
 
     config = parts.model.config
