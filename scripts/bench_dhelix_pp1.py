@@ -127,11 +127,25 @@ def _timeline_step(run, calls, name: str) -> dict:
             "link_idle": link, "block_ms": blocks, "planned_block_ms": planned}
 
 
+def _w_si_blocks(run, microbatches: int) -> list:
+    """The SI actions of this rank's stage in the W schedule of `microbatches`
+    (`dhelix.schedules.w_schedule`), in the order the stage runs them."""
+    from megatron.core import parallel_state
+
+    from dhelix.schedules.w_schedule import build_w_schedule
+
+    with run.active():
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+    schedule = build_w_schedule(run.args.pipeline_model_parallel_size, microbatches)
+    return [action for action in schedule.ranks[stage] if action.kind == "SI"]
+
+
 def _plan_costs(run) -> dict:
     """What the plan of the `--dhelix` run `run` predicts per paired layer (sequential and
-    planned ms), and how many layer pairs one step pairs: (micro-batches - 1) x local layers
-    without pipelining, None with it (the W schedule pairs fewer; no step prediction is made
-    there). With the cost model at hand (a plan built at start-up), also
+    planned ms), and how many layer pairs one step pairs on this rank: (micro-batches - 1) x
+    local layers without pipelining; with it, the SI blocks of this stage's W list
+    (`si_blocks_per_step`) x the layers of a model chunk (the lone passes of the W's ramps
+    pair nothing). With the cost model at hand (a plan built at start-up), also
     `sequential_executed_ms`: the same layer's forward then backward in the sequential
     row's orders (program orders) as the strand executor runs each alone, its collectives in
     flight while the strand computes what does not read them
@@ -153,22 +167,32 @@ def _plan_costs(run) -> dict:
     from dhelix.runtime.setup import si_block_pairs
     from planner.baselines import sequential_pairing
     from planner.cosched import simulate_block, strand_alone_ms, unhidden_alone_ms
+    from planner.pipeline_transfers import exposed_ms, transfer_exposure
 
     setup, args = run.dhelix, run.args
     plan, seam = setup.plan, setup.runner.seam
-    pairs = seams = layer_runs = None
+    layer_runs = si_blocks = None
+    with run.active():
+        microbatches = get_num_microbatches()
     if args.pipeline_model_parallel_size == 1:
-        with run.active():
-            microbatches = get_num_microbatches()
         layers = len(setup.runner.bound_layers)
         pairs = (microbatches - 1) * layers
         layer_runs = microbatches * layers
         seams = (microbatches - 1) * (layers - 1) if seam is not None else 0
+        # every SI block's forward strand starts with the embedding
+        embedding_blocks = microbatches - 1
+    else:  # the W schedule: each SI block pairs one model chunk's layers
+        si_blocks = _w_si_blocks(run, microbatches)
+        layers = max(si_block_pairs(setup.parts))
+        pairs = len(si_blocks) * layers
+        seams = len(si_blocks) * (layers - 1) if seam is not None else 0
+        # only the first hop's forward (stage 0) starts with the embedding
+        embedding_blocks = sum(action.forward.hop == 0 for action in si_blocks)
     planned = plan.planned_ms
     streamed = setup.runner.streamed
     if streamed is not None:  # the streamed schedule's time a pair, no seams
         planned = streamed.for_pairs(max(si_block_pairs(setup.parts))).pair_ms
-        seams = 0 if seams is not None else None
+        seams = 0
     out = {"sequential_ms": plan.sequential_ms, "planned_ms": planned,
            "paired_layers_per_step": pairs, "seams_per_step": seams}
     if setup.costs is None:
@@ -198,7 +222,19 @@ def _plan_costs(run) -> dict:
         out["first_forward_unhidden_ms"] = layers * unhidden_alone_ms(dags["fwd"],
                                                                       setup.costs.solo_f)
         out["first_forward_comm_ms"] = layers * fwd_comm_ms
-    if pairs is not None and getattr(setup.engine.passes, "defer_embedding_reduce", False):
+    if si_blocks and setup.transfer_ms is not None:
+        # the pipeline transfers' exposure a W SI block leaves (`planner.pipeline_transfers`):
+        # the sequential pairing (the sequential row's orders: the whole backward strand,
+        # then the whole forward) against this run's plan or streamed sequence
+        sequential_exposed = exposed_ms(
+            setup.transfer_ms,
+            tail_ms=layers * strand_alone_ms(sequential.fwd_order, fwd, setup.costs, "fwd", bwd),
+            head_ms=layers * strand_alone_ms(sequential.bwd_order, bwd, setup.costs, "bwd", fwd))
+        exposed = (streamed.for_pairs(layers).exposed_ms if streamed is not None
+                   else transfer_exposure(plan, setup.transfer_ms).exposed_ms)
+        out["si_blocks_per_step"] = len(si_blocks)
+        out["transfer_saving_ms"] = sequential_exposed - exposed
+    if getattr(setup.engine.passes, "defer_embedding_reduce", False):
         # the embedding's all-reduce travels while the SI block's backward strand computes
         # (`megatron_patches.deferred_reduce`): it takes the solo time of a layer's forward
         # all-reduce (the same [s, b, h] tensor on the same group) off the SI block, at most
@@ -209,18 +245,18 @@ def _plan_costs(run) -> dict:
         # it travels only beside the backward entries from its start (`input_step`) to the
         # first forward entry, which waits for it (their solo times)
         if comm_f:
-            idle = len(setup.runner.bound_layers) * max(0.0, planned - layer_comm_ms)
+            idle = layers * max(0.0, planned - layer_comm_ms)  # in one SI block
             start = setup.runner.early_input_block or 0
             if start and streamed is None and planned > 0:
                 before = sum(block.predicted_ms for block in plan.blocks[:start])
-                idle *= max(0.0, 1.0 - before / (len(setup.runner.bound_layers) * planned))
+                idle *= max(0.0, 1.0 - before / (layers * planned))
             if streamed is not None:
                 sequence = streamed.for_pairs(max(si_block_pairs(setup.parts)))
                 idle = min(idle, sum(setup.costs.solo_b[step.op]
                                      for step in sequence.sequence[
                                          sequence.input_step:sequence.first_forward_step]
                                      if bwd[step.op].kind != "comm"))
-            out["embedding_reduces_hidden_per_step"] = microbatches - 1
+            out["embedding_reduces_hidden_per_step"] = embedding_blocks
             out["embedding_reduce_saving_ms"] = min(setup.costs.solo_f[comm_f[0]], idle)
     if seam is not None:
         apart = sum(b.predicted_ms for b in plan.blocks[:seam.head]) + sum(

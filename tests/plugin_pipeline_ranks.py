@@ -359,11 +359,13 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
     Returns {name: {"init_param_diff", "init_param_key", "rows", "pairs" (co-executed layer
     pairs per rank), "m", "p", "steps", "embedding_waits" (per rank: deferred embedding
     all-reduces waited on, `counted_embedding_waits`), "streamed" (per rank: (SI blocks run
-    streamed, outputs they reported early), `StreamedOutputCounter`), "executed",
-    "eval_loss_diff"}}."""
+    streamed, outputs they reported early), `StreamedOutputCounter`), "plan_costs" (per
+    rank: what the benchmark's predicted step reads, `scripts.bench_dhelix_pp1._plan_costs`),
+    "executed", "eval_loss_diff"}}."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from dhelix.parity import max_abs_diff
+    from scripts.bench_dhelix_pp1 import _plan_costs
 
     report = {}
     for name, spec in cases.items():
@@ -390,12 +392,15 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
         dist.all_gather_object(embedding_waits, deferred.get("embedding", 0))
         streamed_counts = [None] * dist.get_world_size()
         dist.all_gather_object(streamed_counts, (streamed.blocks, streamed.early_outputs))
+        plan_costs = [None] * dist.get_world_size()  # what the benchmark's prediction reads
+        dist.all_gather_object(plan_costs, _plan_costs(run))
         with run.active():
             m = get_num_microbatches()
         report[name] = {"init_param_diff": init_diff, "init_param_key": init_key,
                         "rows": compare_steps(ref_steps, got), "pairs": pairs,
                         "m": m, "p": spec["pp"], "steps": steps,
                         "embedding_waits": embedding_waits, "streamed": streamed_counts,
+                        "plan_costs": plan_costs,
                         "executed": {"train": trained, "eval": engine_record(run)},
                         "eval_loss_diff": eval_diff}
         close_all_runs()

@@ -218,6 +218,28 @@ def test_spread_and_predicted_step_speedup():
     assert rows["dhelix"]["predicted_speedup"] == pytest.approx(t_meg / (t_seq - 0.182))
 
 
+def test_pipelined_prediction_counts_transfers_and_takes_the_stage_saving_least():
+    """With pipelining each stage records its own W SI blocks: the transfers' exposure each
+    block's plan saves against the sequential pairing counts with its layer pairs, and the
+    stage predicted to save least gives the row's prediction."""
+    raw = _raw()
+    stage_costs = [  # stage 0: 12 blocks x 1 pair x 10 ms + 12 x 5 ms of transfers = 180 ms
+        {"sequential_ms": 50.0, "planned_ms": 40.0, "paired_layers_per_step": 12,
+         "si_blocks_per_step": 12, "transfer_saving_ms": 5.0},
+        # stage 1: its plan exposes the transfers more than the sequential pairing: 96 ms
+        {"sequential_ms": 50.0, "planned_ms": 41.0, "paired_layers_per_step": 12,
+         "si_blocks_per_step": 12, "transfer_saving_ms": -1.0}]
+    for rank, costs in zip(raw["ranks"], stage_costs):
+        rank["plan_costs"] = {"dhelix": costs}
+    rows = {r["system"]: r for r in summarise_config(raw)["rows"]}
+    t_meg, t_seq = 4.1 * 1.01, 4.0 * 1.01
+    assert rows["dhelix"]["predicted_step_s"] == pytest.approx(t_seq - 0.096)
+    assert rows["dhelix"]["predicted_speedup"] == pytest.approx(t_meg / (t_seq - 0.096))
+    raw["ranks"][1]["plan_costs"] = {}  # one stage's prediction alone
+    rows = {r["system"]: r for r in summarise_config(raw)["rows"]}
+    assert rows["dhelix"]["predicted_step_s"] == pytest.approx(t_seq - 0.180)
+
+
 def test_cpu_readings_split_a_busy_interval_from_a_sleeping_one():
     import os
     import time

@@ -92,6 +92,21 @@ def _check(case, spec):
         # end (the executor sent them then); the numbers above hold with it
         assert all(blocks > 0 and early > 0 for blocks, early in case["streamed"]), \
             case["streamed"]
+    # what the benchmark's predicted step reads: the layer pairs a step pairs on each rank
+    # are the ones its W schedule co-executed, a model chunk's layers an SI block
+    chunk_layers = _num_layers(spec) // (2 * case["p"])
+    for pairs, costs in zip(case["pairs"], case["plan_costs"]):
+        assert costs["paired_layers_per_step"] * STEPS == pairs, (pairs, costs)
+        if "dhelix-pipeline-transfer-ms" in " ".join(spec.get("dhelix_extra", ())):
+            # the transfer time given (1 ms) is counted: each SI block's plan leaves between
+            # none and both transfers more or less exposed than the sequential pairing
+            assert costs["si_blocks_per_step"] * chunk_layers * STEPS == pairs, costs
+            assert abs(costs["transfer_saving_ms"]) <= 2 * 1.0, costs
+
+
+def _num_layers(spec) -> int:
+    extra = list(spec.get("extra", ()))
+    return int(extra[extra.index("--num-layers") + 1])
 
 
 @pytest.mark.parametrize("name", sorted(CASES_4))

@@ -16,16 +16,20 @@ collectives replayed alone), the comm-free step, and the CPU-work floor (Megatro
 per rank x ranks / the host's cores: every rank's threads and the softirq run on the same
 cores, `_cpu_accounting`). Undefined where Megatron is not slower than the bound.
 
-Predicted speedup (rows with a plan, without pipelining): the plan's cost model says how
-much faster one paired layer runs (planned_ms) than the same operators as the sequential
-row runs them - each strand alone, its collectives in flight while it computes what does
-not read them (sequential_executed_ms, `planner.cosched.strand_alone_ms`; the plain sum of
-the solo times, sequential_ms, where the run recorded no cost model); a step pairs
-(m - 1) x layers of them, so the predicted step is the measured sequential operator-program
-step minus that saving, and minus, where consecutive layer pairs overlap at a seam
-((m - 1) x (layers - 1) seams a step), what each seam saves by the block model
-(seam_saving_ms); the predicted speedup is T_megatron over it, next to the measured
-T_megatron / T_x.
+Predicted speedup (rows with a plan): the plan's cost model says how much faster one
+paired layer runs (planned_ms) than the same operators as the sequential row runs them -
+each strand alone, its collectives in flight while it computes what does not read them
+(sequential_executed_ms, `planner.cosched.strand_alone_ms`; the plain sum of the solo
+times, sequential_ms, where the run recorded no cost model); a step pairs (m - 1) x layers
+of them without pipelining, and with it a stage's W SI blocks x a model chunk's layers, so
+the predicted step is the measured sequential operator-program step (the sequential W row
+with pipelining) minus that saving, and minus, where consecutive layer pairs overlap at a
+seam, what each seam saves by the block model (seam_saving_ms), where the embedding's
+all-reduce travels beside a backward strand, what that saves, and with pipelining what each
+SI block's plan leaves less exposed of the pipeline's transfers than the sequential pairing
+(transfer_saving_ms, `planner.pipeline_transfers`). With pipelining the stages' plans
+differ: the stage predicted to save least bounds the step (its prediction is reported). The
+predicted speedup is T_megatron over it, next to the measured T_megatron / T_x.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ def summarise_config(raw: dict) -> dict:
                "unavailable": run["unavailable"]}
         if name in step:
             t = step[name]
-            predicted = None if run["timing_only"] else _predicted_speedup(
-                ranks[0].get("plan_costs", {}).get(name), t_meg, step.get("ops_sequential"))
+            predicted = None if run["timing_only"] else _least_predicted_speedup(
+                ranks, name, t_meg, step.get("ops_sequential"))
             row.update(
                 step_s=t,
                 step_s_min_median_max=spread[name],
@@ -215,8 +219,21 @@ def _predicted_speedup(costs: dict | None, t_meg: float | None,
     saved_s = (costs["paired_layers_per_step"] * (sequential - costs["planned_ms"])
                + (costs.get("seams_per_step") or 0) * costs.get("seam_saving_ms", 0.0)
                + (costs.get("embedding_reduces_hidden_per_step") or 0)
-               * costs.get("embedding_reduce_saving_ms", 0.0)) / 1e3
+               * costs.get("embedding_reduce_saving_ms", 0.0)
+               + (costs.get("si_blocks_per_step") or 0)
+               * costs.get("transfer_saving_ms", 0.0)) / 1e3
     return t_meg / (t_sequential - saved_s) if t_sequential > saved_s else None
+
+
+def _least_predicted_speedup(ranks: list, name: str, t_meg: float | None,
+                             t_sequential: float | None) -> float | None:
+    """The smallest of the ranks' `_predicted_speedup`s for system `name` (the ranks of one
+    plan predict alike; with pipelining the stage saving least bounds the step), None where
+    no rank predicts one."""
+    predicted = [_predicted_speedup(r.get("plan_costs", {}).get(name), t_meg, t_sequential)
+                 for r in ranks]
+    predicted = [p for p in predicted if p is not None]
+    return min(predicted) if predicted else None
 
 
 def _longest_waiting_rank(ranks: list, name: str) -> int | None:

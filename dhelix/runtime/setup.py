@@ -109,6 +109,9 @@ class DHelixSetup:
     # a mixed dense/MoE stack: the plan of every (forward programs, backward programs) pair
     # (`LayerRunner.pair_plans`); `plan` is then the first pair's. None: one plan.
     pair_plans: dict | None = None
+    # a folded stage's pipeline transfer time (ms) the start-up choice counted
+    # (`choose_for_transfers`, `choose_streamed`); None where none was counted
+    transfer_ms: float | None = None
 
     @property
     def forward_backward_func(self) -> Callable:
@@ -701,4 +704,5 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
                             transfer_groups=transfer_groups,
                             early_direction=_early_direction(parts, plan, streamed, pipelined))
     return DHelixSetup(parts=parts, runner=runner, plan=plan, plan_source=source,
-                       engine=engine, timing_only=timing_only, costs=costs)
+                       engine=engine, timing_only=timing_only, costs=costs,
+                       transfer_ms=transfer_ms)
