@@ -149,19 +149,27 @@ def plan_with_a_seam(runner) -> None:
     assert runner.seam is not None and (runner.seam.head, runner.seam.tail) == (1, 2)
 
 
-def _count_streamed_si_blocks(runner) -> list:
-    """A list that grows by one for every SI block the runner runs streamed
-    (`LayerRunner._run_streamed`, observed by wrapping it on this runner only)."""
-    calls = []
-    if runner.streamed is not None:
-        original = runner._run_streamed
+class StreamedOutputCounter:
+    """Wraps a `LayerRunner._run_streamed` (where the runner streams) to count the SI
+    blocks run streamed on this rank and the outputs they reported early (`on_output`:
+    what the executor may send while the other strand runs)."""
 
-        def counted(*args, **kwargs):
-            calls.append(1)
-            return original(*args, **kwargs)
+    def __init__(self, runner):
+        self.blocks, self.early_outputs = 0, 0
+        if runner.streamed is not None:
+            self._run_streamed = runner._run_streamed
+            runner._run_streamed = self
 
-        runner._run_streamed = counted
-    return calls
+    def __call__(self, fwd_layers, inputs, rotary_pos_emb, bwd_executions, grads,
+                 on_output=None):
+        self.blocks += 1
+
+        def counted(direction, tensor):
+            self.early_outputs += 1
+            on_output(direction, tensor)
+
+        return self._run_streamed(fwd_layers, inputs, rotary_pos_emb, bwd_executions, grads,
+                                  counted if on_output is not None else None)
 
 
 @contextlib.contextmanager
@@ -202,7 +210,7 @@ def _dhelix_case(case: ParityCase, ref: dict, steps: int) -> dict:
         setup = run.dhelix
         if case.seam:
             plan_with_a_seam(setup.runner)
-        streamed_calls = _count_streamed_si_blocks(setup.runner)
+        streamed = StreamedOutputCounter(setup.runner)
         deferred = {}
         with counted_embedding_waits(deferred):
             got = [observed_step(run, with_grads=True) for _ in range(steps)]
@@ -217,7 +225,7 @@ def _dhelix_case(case: ParityCase, ref: dict, steps: int) -> dict:
                 "plan_source": setup.plan_source,
                 "num_microbatches": num_microbatches,
                 "seam": setup.runner.seam is not None,
-                "streamed_si_blocks": len(streamed_calls),
+                "streamed_si_blocks": streamed.blocks,
                 "deferred_reduces": deferred,
                 "describe": setup.describe()}
     finally:

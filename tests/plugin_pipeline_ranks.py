@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from megatron_patches.step_harness import close_all_runs
 from tests.megatron_lm_ranks import SCRIPT, TINY, _global_loss, many_runs_env
-from tests.plugin_parity_ranks import (compare_steps, counted_embedding_waits, engine_record,
+from tests.plugin_parity_ranks import (StreamedOutputCounter, compare_steps,
+                                      counted_embedding_waits, engine_record,
                                       eval_loss, observed_step)
 
 SGD = ["--optimizer", "sgd", "--lr", "0.05"]
@@ -322,29 +323,6 @@ class PairCounter:
     def __call__(self, fwd_layers, *args, **kwargs):
         self.pairs += len(fwd_layers)
         return self._run_paired(fwd_layers, *args, **kwargs)
-
-
-class StreamedOutputCounter:
-    """Wraps a `LayerRunner._run_streamed` (where the runner streams) to count the SI
-    blocks run streamed on this rank and the outputs they reported early (`on_output`:
-    what the executor may send while the other strand runs)."""
-
-    def __init__(self, runner):
-        self.blocks, self.early_outputs = 0, 0
-        if runner.streamed is not None:
-            self._run_streamed = runner._run_streamed
-            runner._run_streamed = self
-
-    def __call__(self, fwd_layers, inputs, rotary_pos_emb, bwd_executions, grads,
-                 on_output=None):
-        self.blocks += 1
-
-        def counted(direction, tensor):
-            self.early_outputs += 1
-            on_output(direction, tensor)
-
-        return self._run_streamed(fwd_layers, inputs, rotary_pos_emb, bwd_executions, grads,
-                                  counted if on_output is not None else None)
 
 
 def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
