@@ -339,7 +339,7 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
     all-reduces waited on, `counted_embedding_waits`), "streamed" (per rank: (SI blocks run
     streamed, outputs they reported early), `StreamedOutputCounter`), "plan_costs" (per
     rank: what the benchmark's predicted step reads, `scripts.bench_dhelix_pp1._plan_costs`),
-    "executed", "eval_loss_diff"}}."""
+    "describe" (the plan line, of this rank), "executed", "eval_loss_diff"}}."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from dhelix.parity import max_abs_diff
@@ -378,7 +378,7 @@ def dhelix_pipeline_parity(cases: dict, steps: int = 3) -> dict:
                         "rows": compare_steps(ref_steps, got), "pairs": pairs,
                         "m": m, "p": spec["pp"], "steps": steps,
                         "embedding_waits": embedding_waits, "streamed": streamed_counts,
-                        "plan_costs": plan_costs,
+                        "plan_costs": plan_costs, "describe": run.dhelix.describe(),
                         "executed": {"train": trained, "eval": engine_record(run)},
                         "eval_loss_diff": eval_diff}
         close_all_runs()

@@ -102,6 +102,14 @@ def _check(case, spec):
             # none and both transfers more or less exposed than the sequential pairing
             assert costs["si_blocks_per_step"] * chunk_layers * STEPS == pairs, costs
             assert abs(costs["transfer_saving_ms"]) <= 2 * 1.0, costs
+    # the plan line says where the transfer time the start-up choice counted came from
+    if "dhelix-pipeline-transfer-ms" in " ".join(spec.get("dhelix_extra", ())):
+        assert "pipeline transfers of 1.00 ms (--dhelix-pipeline-transfer-ms)" in \
+            case["describe"], case["describe"]
+    elif spec.get("pairer", "dp") == "dp":
+        assert "ms (timed at start-up): an SI block of" in case["describe"], case["describe"]
+    else:  # the baselines' pairers make no start-up choice
+        assert "pipeline transfers of" not in case["describe"], case["describe"]
 
 
 def _num_layers(spec) -> int:

@@ -555,21 +555,23 @@ def _transfer_ms(run: DHelixRun, parts: GPTParts, transfer_groups) -> float | No
 
 
 def choose_for_transfers(parts: GPTParts, dags: dict, plan, costs, memory,
-                         transfer_ms: float) -> tuple:
+                         transfer_ms: float, given: bool = False) -> tuple:
     """On a folded stage, the dp plan or the sequential pairing, whichever gives the shorter
     SI block with the pipeline's transfers of `transfer_ms` each (`planner.pipeline_
     transfers`: the dp plan may end both strands together, so both outputs wait for the
     block's end): (the plan to run, the phrase for the plan line, its SI block's ms with
     the transfers). Deterministic given the costs, the bound and the transfer time (the
-    same on every rank)."""
+    same on every rank). `given`: the time came from `--dhelix-pipeline-transfer-ms`, not
+    the start-up probe (the phrase says which)."""
     sequential = make_plan(dags["fwd"], dags["bwd"], costs, pairer=SEQUENTIAL,
                            model=plan.fingerprint["model"], parallel=plan.fingerprint["parallel"],
                            command=plan.command, memory=memory)
     pairs = max(si_block_pairs(parts))
     dp_ms, seq_ms = (si_block_ms(p, pairs, transfer_ms) for p in (plan, sequential))
     chosen = sequential if seq_ms < dp_ms else plan
-    phrase = (f"pipeline transfers of {transfer_ms:.2f} ms: an SI block of {pairs} layer "
-              f"pairs {dp_ms:.2f} ms with the dp plan, {seq_ms:.2f} ms with the "
+    origin = "--dhelix-pipeline-transfer-ms" if given else "timed at start-up"
+    phrase = (f"pipeline transfers of {transfer_ms:.2f} ms ({origin}): an SI block of "
+              f"{pairs} layer pairs {dp_ms:.2f} ms with the dp plan, {seq_ms:.2f} ms with the "
               f"sequential pairing (both outputs' transfers counted): runs the "
               f"{'sequential pairing' if chosen is sequential else 'dp plan'}")
     return chosen, phrase, min(dp_ms, seq_ms)
@@ -680,8 +682,9 @@ def setup_dhelix(run: DHelixRun, model_chunks, job: Job, lane_pool: LanePool | N
     plan, source, costs = _resolve_plan(run, dags["fwd"], dags["bwd"], memory)
     transfers = None
     if transfer_ms is not None:
-        plan, verdict, block_ms = choose_for_transfers(parts, dags, plan, costs, memory,
-                                                       transfer_ms)
+        plan, verdict, block_ms = choose_for_transfers(
+            parts, dags, plan, costs, memory, transfer_ms,
+            given=options.pipeline_transfer_ms is not None)
         source += "; " + verdict
         transfers = (transfer_ms, block_ms)
     streamed, verdict = choose_streamed(run, parts, dags, plan, costs, memory, transfers)
