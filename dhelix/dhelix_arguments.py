@@ -98,7 +98,7 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                         "start-up: one activation's transfer between neighbouring stages "
                         "takes MS ms, for the start-up choice between the dp plan, the "
                         "sequential pairing and streamed SI blocks (reproducible plans); "
-                        "default: timed at start-up (docs/runtime.md)")
+                        "default: timed at start-up (docs/planner.md)")
     g.add_argument("--dhelix-attention", choices=ATTENTION_CHOICES, default="megatron",
                    help="core attention of the local layer spec (default megatron): megatron "
                         "is megatron-core's unfused DotProductAttention, sdpa torch's "
