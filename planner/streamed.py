@@ -389,8 +389,8 @@ class _Outcome(NamedTuple):
     free_peak: float
 
 
-# the caps a candidate that peaks above the budget is steered to (`steer_caps`): the
-# budget and, evenly below it, down to the sequential plan's peak
+# how many caps a candidate is steered to where its free sequence peaks above them
+# (`steer_caps`): the budget and, evenly below it, down to the sequential plan's peak
 STEER_LEVELS = 4
 
 
