@@ -6,24 +6,26 @@ them and their rules: `dhelix.options` (`docs/options.md`)."""
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from dhelix.argument_error import ArgumentError, check_readable_file, check_writable_file, \
     flag
 from dhelix.options import ATTENTION_CHOICES, PAIRERS
 
 
-def _non_negative_mib(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of MiB >= 0, got {text!r}")
-    return value
+def _non_negative(unit: str) -> Callable[[str], float]:
+    """An argparse `type`: a number of `unit` >= 0, else the one-line error naming it."""
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be a number of {unit} >= 0, got {text!r}")
+        return value
 
-def _non_negative_ms(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of ms >= 0, got {text!r}")
-    return value
+    return parse
 
 
 def _off_switch(group, flag: str, dest: str, help_text: str) -> None:
@@ -81,7 +83,7 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
                         "than the block plan (docs/runtime.md)")
     g.add_argument("--dhelix-no-streamed", dest="dhelix_streamed", action="store_false",
                    help="run SI blocks as the block plan's blocks, never streamed")
-    g.add_argument("--dhelix-memory-margin", type=_non_negative_mib, default=None,
+    g.add_argument("--dhelix-memory-margin", type=_non_negative("MiB"), default=None,
                    metavar="MIB",
                    help="memory bound of the dp pairer: no block of the plan may hold more "
                         "than the sequential plan (backward layer, then forward layer; "
@@ -92,7 +94,7 @@ def add_dhelix_runtime_args(p: argparse.ArgumentParser):
     _off_switch(g, "--dhelix-no-memory-bound", "dhelix_memory_bound",
                 "plan without the memory bound: the fastest plan, which may hold up "
                 "to one more layer's activations than Megatron")
-    g.add_argument("--dhelix-pipeline-transfer-ms", type=_non_negative_ms, default=None,
+    g.add_argument("--dhelix-pipeline-transfer-ms", type=_non_negative("ms"), default=None,
                    metavar="MS",
                    help="with --pipeline-model-parallel-size > 1 and the dp plan built at "
                         "start-up: one activation's transfer between neighbouring stages "

@@ -128,15 +128,15 @@ def _timeline_step(run, calls, name: str) -> dict:
 
 
 def _w_si_blocks(run, microbatches: int) -> list:
-    """The SI actions of this rank's stage in the W schedule of `microbatches`
-    (`dhelix.schedules.w_schedule`), in the order the stage runs them."""
+    """The SI actions of this rank's stage in the training schedule the run's engine runs
+    for `microbatches` (the W schedule: `ScheduleEngine.schedule`, built once), in the
+    order the stage runs them."""
     from megatron.core import parallel_state
-
-    from dhelix.schedules.w_schedule import build_w_schedule
 
     with run.active():
         stage = parallel_state.get_pipeline_model_parallel_rank()
-    schedule = build_w_schedule(run.args.pipeline_model_parallel_size, microbatches)
+    schedule = run.dhelix.engine.schedule(run.args.pipeline_model_parallel_size,
+                                          microbatches, forward_only=False)
     return [action for action in schedule.ranks[stage] if action.kind == "SI"]
 
 

@@ -93,10 +93,16 @@ def validate_once(schedule: Schedule) -> None:
         _VALIDATED[id(schedule)] = schedule
 
 
-def _feeds_si(actions, index: int) -> bool:
-    """Whether the first computation (F, B or SI) after `actions[index]` is an SI block."""
-    following = next((a for a in actions[index + 1:] if a.kind in COMPUTE_KINDS), None)
-    return following is not None and following.kind == "SI"
+def _recvs_feeding_si(actions) -> set:
+    """The ids of the RECVs of `actions` whose first computation after them (F, B or SI) is
+    an SI block: one pass from the end, carrying the next computation's kind."""
+    feeding, next_compute = set(), None
+    for action in reversed(actions):
+        if action.kind in COMPUTE_KINDS:
+            next_compute = action.kind
+        elif action.kind == "RECV" and next_compute == "SI":
+            feeding.add(id(action))
+    return feeding
 
 
 @dataclass
@@ -234,8 +240,7 @@ class StageExecutor:
         recvs = [a for a in self.actions if a.kind == "RECV"]
         self._next_recv = {id(a): b for a, b in zip(recvs, recvs[1:])}  # RECV -> the next
         self.early_direction = early_direction
-        self._feeds_si = {id(a): _feeds_si(self.actions, i)
-                          for i, a in enumerate(self.actions) if a.kind == "RECV"}
+        self._recvs_before_si = _recvs_feeding_si(self.actions)
         self.losses: list = []      # loss_func infos, in micro-batch order of the loss hop
 
     def run(self) -> list:
@@ -357,7 +362,7 @@ class StageExecutor:
 
     def _posts_ahead(self, recv: Action, ref: TensorRef) -> bool:
         """Whether `ref` of the RECV `recv` is posted a RECV ahead (`early_direction`)."""
-        return (self.early_direction is None or not self._feeds_si[id(recv)]
+        return (self.early_direction is None or id(recv) not in self._recvs_before_si
                 or ref.direction == self.early_direction)
 
     def _post_receive(self, action: Action, ref: TensorRef) -> Arriving:
